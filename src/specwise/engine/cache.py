@@ -1,0 +1,54 @@
+"""A preallocated KV cache indexed by (slot, position).
+
+Each running sequence owns a slot (a row of the cache). A forward pass writes keys and values at the positions it
+is given, so a batch can hold sequences of different lengths, and the slots of rejected draft tokens need no
+rollback: the next pass writes over them. Attention only ever reads positions at or before the query's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for `num_layers` layers, `num_slots` sequences and up to `max_len` positions each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, slots, Hkv, S, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    def write(self, layer: int, rows: slice | torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v (B, T, Hkv, D) for the batch's rows at positions (B, T)."""
+        if isinstance(rows, slice):
+            # Contiguous slots: a view, then per-row position scatter.
+            ck, cv = self.k[layer, rows], self.v[layer, rows]  # (B, Hkv, S, D)
+            b = torch.arange(positions.shape[0], device=positions.device)[:, None]  # (B, 1)
+            ck[b, :, positions] = k
+            cv[b, :, positions] = v
+        else:
+            self.k[layer][rows[:, None], :, positions] = k
+            self.v[layer][rows[:, None], :, positions] = v
+
+    def read(self, layer: int, rows: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, Hkv, length, D) of the first `length` positions of the batch's rows."""
+        return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]
+
+
+def rows_index(slots: list[int], device: torch.device | str) -> slice | torch.Tensor:
+    """A slice when the slots are contiguous (cache reads stay views), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)

@@ -1,0 +1,115 @@
+"""How many tokens to draft: a fixed k, or an adaptive k that maximises expected tokens per second.
+
+With per-token acceptance α, drafting k tokens yields E(k) = (1 − α^(k+1)) / (1 − α) tokens per verification step
+(Leviathan et al. 2023) and costs draft(k) + verify(k+1) seconds, both measured on this machine (`CostModel`).
+`AdaptiveK` estimates α online for each request and picks the k with the best E(k) / cost(k); k = 0 is plain
+decoding, so a request whose drafts keep failing decays to it. It still probes with k = 1 now and then, so a
+request that starts copying again (a quoted list, a repeated heading) gets speculation back.
+"""
+
+from __future__ import annotations
+
+K_MAX = 16  # the largest draft length any configuration may ask for
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per verification step for draft length k, bonus included."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class CostModel:
+    """Measured seconds of one target pass that feeds T tokens per row, and of drafting one token."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.verify: dict[int, float] = {}  # T → exponentially smoothed seconds
+        self.draft_per_token: float | None = None
+        self.smoothing = smoothing
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_verify(self, tokens_per_row: int, seconds: float) -> None:
+        self.verify[tokens_per_row] = self._ema(self.verify.get(tokens_per_row), seconds)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.draft_per_token = self._ema(self.draft_per_token, seconds / tokens)
+
+    def verify_cost(self, T: int) -> float | None:
+        """Seconds for a pass of T tokens per row: measured, else interpolated or extrapolated linearly."""
+        if T in self.verify:
+            return self.verify[T]
+        known = sorted(self.verify)
+        if not known:
+            return None
+        lower = [t for t in known if t < T]
+        upper = [t for t in known if t > T]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+        elif len(known) >= 2:
+            a, b = (known[-2], known[-1]) if not upper else (known[0], known[1])
+        else:
+            return self.verify[known[0]]
+        slope = (self.verify[b] - self.verify[a]) / (b - a)
+        return max(self.verify[a] + slope * (T - a), 1e-6)
+
+    def draft_cost(self, k: int) -> float | None:
+        if k == 0:
+            return 0.0
+        return None if self.draft_per_token is None else k * self.draft_per_token
+
+
+class FixedK:
+    """Always draft k tokens."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> int:
+        return self.k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Per-request k from the online acceptance estimate and the measured costs."""
+
+    def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 4, prior_alpha: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 8):
+        self.costs, self.k_max, self.start_k = costs, k_max, start_k
+        self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
+        self.probe_every = probe_every
+        self.successes = 0.0  # decayed count of accepted draft positions
+        self.trials = 0.0  # decayed count of draft positions verification looked at
+        self.plain_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return (self.successes + self.prior_alpha * self.prior_weight) / (self.trials + self.prior_weight)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        # Positions after the first rejection were never judged: n successes, then one failure if n < k.
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+    def choose(self) -> int:
+        best_k, best_rate = 0, None
+        for k in range(self.k_max + 1):
+            verify, draft = self.costs.verify_cost(k + 1), self.costs.draft_cost(k)
+            if verify is None or draft is None:
+                return self.start_k  # costs not measured yet: draft to measure them
+            rate = expected_tokens(self.alpha, k) / (verify + draft)
+            if best_rate is None or rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self.plain_steps += 1
+            if self.plain_steps % self.probe_every == 0:
+                return 1  # a cheap probe: is drafting paying again?
+        else:
+            self.plain_steps = 0
+        return best_k

@@ -1,0 +1,92 @@
+"""Drafters and the spec strings that name them.
+
+- ``ngram`` / ``ngram:N``   prompt lookup over prompt + output, n-grams up to N tokens (default 3); no model
+- ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer
+- ``int8``                  a weight-quantized int8 copy of the target
+- ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
+                            ``0-29/2`` (every other layer)
+"""
+
+from __future__ import annotations
+
+from specwise.engine.drafters.base import Draft, Drafter, SequenceView
+from specwise.engine.drafters.draft_model import ModelDrafter
+from specwise.engine.drafters.ngram import NgramDrafter
+from specwise.errors import SpecwiseError
+
+__all__ = ["DRAFTER_HELP", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "SequenceView", "make_drafter",
+           "parse_layers"]
+
+DRAFTER_HELP = "ngram, ngram:N, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """'12' → first 12 layers; '0-11,29' and '0-29/2' → explicit sets. Sorted, unique, in range."""
+    spec = spec.strip()
+    try:
+        if spec.isdigit():
+            ids = list(range(int(spec)))
+        else:
+            ids = []
+            for part in spec.split(","):
+                rng, _, step = part.partition("/")
+                lo, _, hi = rng.partition("-")
+                ids += list(range(int(lo), int(hi or lo) + 1, int(step or 1)))
+    except ValueError:
+        raise SpecwiseError(f"layerskip:{spec} does not parse; write e.g. layerskip:12, layerskip:0-11,29 or "
+                            "layerskip:0-29/2") from None
+    ids = sorted(set(ids))
+    if not ids or ids[0] < 0 or ids[-1] >= num_layers:
+        raise SpecwiseError(f"layerskip:{spec} names no layers or layers outside 0..{num_layers - 1} "
+                            f"(the target has {num_layers} layers)")
+    return ids
+
+
+def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
+    """Build the drafter named by `spec` for `target` (a LoadedModel)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "ngram":
+        if arg and not arg.isdigit():
+            raise SpecwiseError(f"drafter {spec!r}: ngram:N takes a whole number N ≥ 1")
+        return NgramDrafter(max_ngram=int(arg) if arg else 3)
+    if kind == "layerskip":
+        from specwise.engine.model import Decoder
+
+        if not isinstance(target.model, Decoder):
+            raise SpecwiseError("layerskip drafting needs a Llama-family target (our decoder)")
+        ids = parse_layers(arg, target.model.num_layers)
+        return ModelDrafter(target.model.layer_subset(ids), f"layerskip:{arg}", num_slots, cache_len, 0)
+    if kind == "int8" and not arg:
+        from specwise.engine.model import Decoder
+        from specwise.engine.quantize import int8_nbytes, quantize_int8
+
+        if not isinstance(target.model, Decoder):
+            raise SpecwiseError("int8 self-drafting needs a Llama-family target (our decoder)")
+        q = quantize_int8(target.model)
+        return ModelDrafter(q, "int8", num_slots, cache_len, int8_nbytes(q))
+    if kind == "model" and arg:
+        from specwise.engine.weights import load_target
+
+        draft = load_target(arg, device=str(target.device), max_len=cache_len)
+        check_same_vocabulary(target, draft, arg)
+        extra = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+        return ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra)
+    raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
+
+
+def check_same_vocabulary(target, draft, label: str) -> None:
+    """Refuse a draft model whose tokenizer or output size differs from the target's."""
+    tv, dv = target.tokenizer.vocab(), draft.tokenizer.vocab()
+    if tv != dv:
+        differing = sorted(set(tv.items()) ^ set(dv.items()))[:3]
+        raise SpecwiseError(
+            f"draft model {label} has another vocabulary ({len(dv)} tokens vs the target's {len(tv)}; "
+            f"e.g. {differing}): a draft model must use the target's tokenizer"
+        )
+    t_out, d_out = _output_size(target.model), _output_size(draft.model)
+    if t_out != d_out:
+        raise SpecwiseError(f"draft model {label} scores {d_out} tokens, the target {t_out}: output sizes must match")
+
+
+def _output_size(model) -> int:
+    return model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size

@@ -1,0 +1,49 @@
+"""The drafter protocol: propose up to k draft tokens per sequence, with probabilities where the drafter has them.
+
+Drafters see the running sequences through `SequenceView`; a stateful drafter (one with its own model and cache)
+keeps per-slot state and learns what was accepted from the sequence's committed tokens at the next call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specwise.engine.sampling import SamplingParams
+
+
+class SequenceView(Protocol):
+    """What a drafter may read of a running sequence."""
+
+    slot: int  # cache row of this sequence
+    token_ids: list[int]  # prompt + committed output; the last one is not yet in the target's cache
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one sequence; probs (len(tokens), V) are the distributions they were drawn from."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # None: deterministic proposals (one-hot q)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for a batch of sequences."""
+
+    name: str
+
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        """At most ks[i] draft tokens for seqs[i] (fewer, even none, when it has nothing good to offer)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` finished; forget its state."""
+        ...
+
+    def extra_memory_bytes(self) -> int:
+        """Memory the drafter adds beyond the target (weights it does not share, its own cache)."""
+        ...

@@ -1,0 +1,101 @@
+"""Drafting with a model: an independent small model, an int8 copy of the target, or the target's own layers.
+
+The drafter keeps its own KV cache, one row per engine slot, and remembers which tokens it holds per slot. At
+each call it feeds what it has not seen (the prompt on the first call; afterwards the accepted tokens and the
+recovered or bonus one), then samples k tokens one at a time with the request's own sampling settings, keeping the
+distribution of each (q for rejection sampling). A rejected token's cache entries are simply written over next time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specwise.engine.drafters.base import Draft, SequenceView
+from specwise.engine.sampling import probs_from_logits, sample
+
+LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
+
+
+class ModelDrafter:
+    """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
+
+    def __init__(self, model: torch.nn.Module, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int):
+        self.model, self.name = model, name
+        self.cache = model.new_cache(num_slots, cache_len)
+        self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
+        self._extra_weights = extra_weight_bytes
+        self.device = next(model.parameters()).device
+
+    def extra_memory_bytes(self) -> int:
+        return self._extra_weights + self.cache.k.numel() * self.cache.k.element_size() * 2
+
+    def release(self, slot: int) -> None:
+        self.seen.pop(slot, None)
+
+    def _unseen(self, seq: SequenceView) -> int:
+        """Length of the prefix of seq.token_ids the cache already holds (never the last token: we need its logits)."""
+        seen, toks = self.seen.get(seq.slot, []), seq.token_ids
+        n = min(len(seen), len(toks) - 1)
+        i = 0
+        while i < n and seen[i] == toks[i]:
+            i += 1
+        return i
+
+    def _forward(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """rows of (slot, tokens, start position) → last-token logits (B, V); shorter rows padded at the end."""
+        T = max(len(t) for _, t, _ in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        positions = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, (_, toks, start) in enumerate(rows):
+            tokens[b, : len(toks)] = torch.tensor(toks)
+            positions[b] = torch.arange(start, start + T)
+        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, [s for s, _, _ in rows])
+        last = torch.tensor([len(t) - 1 for _, t, _ in rows], device=logits.device)
+        return logits[torch.arange(len(rows), device=logits.device), last]  # (B, V)
+
+    def _choose(self, seq: SequenceView, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if seq.params.greedy:
+            return int(logits.argmax()), None
+        probs = probs_from_logits(logits[None], seq.params)  # (1, V)
+        return int(sample(probs, seq.generator)), probs[0]
+
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([], None) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if not active:
+            return drafts
+        # 1. Catch up on unseen tokens; new prompts alone, the rest batched.
+        pending = {}
+        for i in active:
+            seq = seqs[i]
+            start = self._unseen(seq)
+            pending[i] = (seq.slot, seq.token_ids[start:], start)
+            self.seen[seq.slot] = list(seq.token_ids[:start])
+        long_rows = [i for i in active if len(pending[i][1]) > LONG_CATCH_UP]
+        groups = [[i] for i in long_rows] + [[i for i in active if i not in long_rows]]
+        last_logits: dict[int, torch.Tensor] = {}
+        for group in groups:
+            if group:
+                for i, row in zip(group, self._forward([pending[i] for i in group])):
+                    last_logits[i] = row
+        for i in active:
+            self.seen[seqs[i].slot] += pending[i][1]
+        # 2. Draft one token at a time for the rows that still want more.
+        while True:
+            for i in list(last_logits):
+                token, p = self._choose(seqs[i], last_logits[i])
+                drafts[i].tokens.append(token)
+                if p is not None:
+                    probs[i].append(p)
+            wanting = [i for i in last_logits if len(drafts[i].tokens) < ks[i]]
+            if not wanting:
+                break
+            rows = [(seqs[i].slot, [drafts[i].tokens[-1]], len(self.seen[seqs[i].slot])) for i in wanting]
+            last_logits = dict(zip(wanting, self._forward(rows)))
+            for i in wanting:
+                self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
+        for i in active:
+            if probs[i]:
+                drafts[i].probs = torch.stack(probs[i])  # (k, V)
+        return drafts

@@ -1,0 +1,49 @@
+"""Prompt lookup / n-gram drafting: no model, just copying.
+
+Find the most recent earlier occurrence of the sequence's last n tokens (n from `max_ngram` down to `min_ngram`)
+in the prompt and the text generated so far, and propose the tokens that followed it. Free to run, and very good
+on tasks whose answers reuse the input (rewriting, extraction, formatting).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specwise.engine.drafters.base import Draft, SequenceView
+from specwise.errors import SpecwiseError
+
+
+def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens following the latest earlier match of the longest matching suffix n-gram."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(tokens[: L - 1], n)  # (L-n, n): every earlier n-gram start
+        hits = np.flatnonzero((windows == tokens[L - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n  # continuation of the latest match
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    """Propose the continuation of the latest matching n-gram (one-hot proposals)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise SpecwiseError(f"n-gram sizes must satisfy 1 ≤ min ≤ max (got min={min_ngram}, max={max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"ngram:{max_ngram}" if max_ngram != 3 else "ngram"
+
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            tokens = lookup(np.asarray(seq.token_ids), k, self.max_ngram, self.min_ngram) if k > 0 else []
+            out.append(Draft(tokens))
+        return out
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def extra_memory_bytes(self) -> int:
+        return 0

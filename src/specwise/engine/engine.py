@@ -1,0 +1,366 @@
+"""The engine: one loop for baseline and speculative decoding, over a batch of sequences of different lengths.
+
+Each `step()` admits waiting requests (prefill, first token), then for every running sequence: propose a draft
+(k = 0 without a drafter) → one batched target pass over the pending token and the draft → verify → commit the
+accepted tokens and the recovered or bonus one → retire finished sequences. Requests may join and leave between
+steps, which is what the server's continuous batching builds on; `generate` and `stream` drive the same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK
+from specwise.engine.drafters import Draft, Drafter, make_drafter
+from specwise.engine.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from specwise.engine.stats import RequestStats
+from specwise.engine.verify import greedy_verify, rejection_verify
+from specwise.engine.weights import LoadedModel
+from specwise.errors import SpecwiseError
+
+DEFAULT_MAX_LEN = 2048
+PAD_MARGIN = 2 * K_MAX + 2  # cache positions past max_len that padded rows of a batch may write to
+Prompt = str | list[dict]
+
+
+@dataclass
+class GenerationResult:
+    """One finished request: its text, output tokens, why it stopped, and its statistics."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
+    stats: RequestStats
+    seed: int
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "seed": self.seed, "stats": self.stats.to_dict()}
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request after a step; `result` is set on its last event."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+@dataclass
+class Sequence:
+    """A request inside the engine (what drafters see as a SequenceView)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + committed output
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator
+    seed: int
+    speculative: bool
+    controller: FixedK | AdaptiveK | None
+    submitted: float
+    slot: int = -1
+    stats: RequestStats = field(default_factory=RequestStats)
+    first_token_at: float = 0.0
+    text: str = ""
+    streamed: int = 0  # characters of text already sent in events
+    finish_reason: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+class Engine:
+    """Draft-and-verify generation on a loaded target; without a drafter it is the plain-decoding baseline."""
+
+    def __init__(self, target: LoadedModel, drafter: str | Drafter | None = None, k: int | str = 4,
+                 max_batch: int = 8, max_len: int | None = None, k_max: int = 8):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise SpecwiseError(f"max_batch={max_batch!r} is not allowed: it must be an integer ≥ 1")
+        model_ctx = getattr(target.model, "max_len", None) or DEFAULT_MAX_LEN
+        self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
+        if self.max_len < 2:
+            raise SpecwiseError(f"max_len={max_len!r} is too small: a context needs at least 2 tokens")
+        self.k_spec = _check_k(k, k_max)
+        self.k_max = k_max
+        self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
+        self.device = target.device
+        self.max_batch = max_batch
+        cache_len = self.max_len + PAD_MARGIN
+        self.cache = self.model.new_cache(max_batch + 1, cache_len)  # the last slot is scratch, for calibration
+        if isinstance(drafter, str):
+            drafter = make_drafter(drafter, target, max_batch, cache_len)
+        self.drafter: Drafter | None = drafter
+        self.costs = CostModel()
+        self._calibrated = False
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_batch))
+        self._ids = itertools.count()
+
+    # --- requests -------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a plain prompt or of chat messages rendered with the model's chat template."""
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+                raise SpecwiseError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str) or not prompt:
+            raise SpecwiseError("the prompt is empty: give at least one character of text (or chat messages)")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise SpecwiseError("the prompt encodes to no tokens: give some text")
+        return ids
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               speculative: bool = True) -> str:
+        """Queue a request; it joins the running batch at the next step with a free slot."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        if len(ids) + params.max_new_tokens > self.max_len:
+            raise SpecwiseError(
+                f"the prompt is {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: together they "
+                f"exceed the context of {self.max_len} tokens (shorten the prompt or lower max_new_tokens)"
+            )
+        generator, seed = make_generator(params, self.device)
+        use_spec = speculative and self.drafter is not None
+        controller = None
+        if use_spec:
+            controller = AdaptiveK(self.costs, self.k_max) if self.k_spec == "auto" else FixedK(self.k_spec)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, len(ids), params, generator, seed, use_spec,
+                       controller, self._now())
+        seq.stats.prompt_tokens = len(ids)
+        self.waiting.append(seq)
+        return seq.request_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[Prompt] | Prompt, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Run prompts (or chat message lists) to completion as one batch; results in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if not prompts:
+            raise SpecwiseError("no prompts given: pass at least one prompt")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise SpecwiseError(f"{len(plist)} sampling settings for {len(prompts)} prompts: give one per prompt")
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        results: dict[str, GenerationResult] = {}
+        while self.has_work:
+            for event in self.step():
+                if event.result is not None:
+                    results[event.request_id] = event.result
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        """Yield text as it is committed, ending with an event that carries the result."""
+        rid = self.submit(prompt, params)
+        while self.has_work:
+            for event in self.step():
+                if event.request_id == rid and (event.text or event.token_ids or event.finished):
+                    yield event
+                    if event.finished:
+                        return
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (a client went away); its slot is free for the next step."""
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._retire(seq)
+                return True
+        return False
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[StreamEvent]:
+        """Admit what fits, then one draft → verify → commit round for every running sequence."""
+        events: list[StreamEvent] = []
+        while self.waiting and self.free_slots:
+            events.append(self._prefill(self.waiting.popleft()))
+        decoding = [s for s in self.running if s.finish_reason is None]
+        if decoding:
+            events += self._decode(decoding)
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self._retire(seq)
+        return events
+
+    def _prefill(self, seq: Sequence) -> StreamEvent:
+        seq.slot = self.free_slots.pop(0)
+        self.running.append(seq)
+        start = self._now()
+        seq.stats.queue_time = start - seq.submitted
+        prompt = torch.tensor([seq.token_ids], device=self.device)
+        logits = self.model(prompt, torch.arange(seq.prompt_len, device=self.device)[None], self.cache, [seq.slot])
+        last = logits[0, -1:]  # (1, V)
+        token = int(last.argmax()) if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
+                                                                         seq.generator))
+        now = self._now()
+        seq.stats.prefill_time = now - start
+        seq.first_token_at = now
+        seq.stats.ttft = now - seq.submitted
+        return self._commit(seq, [token])
+
+    def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
+        ks = [self._draft_len(s) for s in seqs]
+        t0 = self._now()
+        drafts = [Draft([]) for _ in seqs]
+        spec = [i for i, k in enumerate(ks) if k > 0]
+        if spec:
+            for i, d in zip(spec, self.drafter.propose([seqs[i] for i in spec], [ks[i] for i in spec])):
+                drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
+        t1 = self._now()
+        rows = [[s.token_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)]
+        T = max(len(r) for r in rows)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        positions = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, (seq, row) in enumerate(zip(seqs, rows)):
+            tokens[b, : len(row)] = torch.tensor(row)
+            positions[b] = torch.arange(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + T)
+        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, [s.slot for s in seqs])
+        verdicts = []
+        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
+            scores = logits[b, : len(draft.tokens) + 1]  # (k+1, V)
+            if seq.params.greedy:
+                verdicts.append(greedy_verify(draft.tokens, scores.argmax(-1).tolist()))
+            else:
+                verdicts.append(rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params),
+                                                 seq.generator))
+        t2 = self._now()
+        self.costs.observe_verify(T, t2 - t1)
+        self.costs.observe_draft(max(ks), t1 - t0)
+        events = []
+        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+            if seq.controller is not None:
+                seq.controller.observe(len(draft.tokens), verdict.accepted)
+            seq.stats.observe_step(len(draft.tokens), verdict.accepted, t1 - t0 if draft.tokens else 0.0, t2 - t1)
+            events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
+        return events
+
+    def _draft_len(self, seq: Sequence) -> int:
+        if seq.controller is None:
+            return 0
+        if self.k_spec == "auto" and not self._calibrated:
+            self.calibrate()
+        room = min(self.max_len - len(seq.token_ids), seq.params.max_new_tokens - len(seq.output_ids)) - 1
+        return max(0, min(seq.controller.choose(), room))
+
+    def _commit(self, seq: Sequence, new: list[int]) -> StreamEvent:
+        """Append verified tokens, cut at EOS / max_new_tokens / a stop string, and build the stream event."""
+        params, eos = seq.params, self.tokenizer.eos_ids
+        kept = []
+        for token in new:
+            kept.append(token)
+            if len(seq.output_ids) + len(kept) >= params.max_new_tokens:
+                seq.finish_reason = "length"
+            if token in eos and not params.ignore_eos:
+                seq.finish_reason = "stop"
+            if seq.finish_reason:
+                break
+        seq.token_ids += kept
+        seq.stats.generated_tokens = len(seq.output_ids)
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        if params.stop:
+            self._apply_stop_strings(seq, len(kept))
+        delta = self._stream_delta(seq)
+        now = self._now()
+        seq.stats.decode_time = now - seq.first_token_at
+        result = None
+        if seq.finish_reason:
+            seq.stats.e2e = now - seq.submitted
+            result = GenerationResult(seq.request_id, seq.text, seq.output_ids, seq.finish_reason, seq.stats, seq.seed)
+        return StreamEvent(seq.request_id, delta, kept, result)
+
+    def _apply_stop_strings(self, seq: Sequence, new_count: int) -> None:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.streamed - longest)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return
+        cut = min(hits)
+        # Keep the fewest new tokens whose text already reaches the stop string.
+        out = seq.output_ids
+        for n in range(len(out) - new_count + 1, len(out) + 1):
+            if len(self.tokenizer.decode(out[:n])) > cut:
+                del seq.token_ids[seq.prompt_len + n:]
+                break
+        seq.text, seq.finish_reason = seq.text[:cut], "stop"
+        seq.stats.generated_tokens = len(seq.output_ids)
+
+    def _stream_delta(self, seq: Sequence) -> str:
+        """Text not yet streamed, holding back a half-decoded character or a possible stop-string prefix."""
+        end = len(seq.text)
+        if seq.finish_reason is None:
+            if seq.text.endswith("\ufffd"):
+                end -= 1
+            for s in seq.params.stop:
+                for n in range(min(len(s) - 1, end - seq.streamed), 0, -1):
+                    if seq.text[:end].endswith(s[:n]):
+                        end -= n
+                        break
+        delta = seq.text[seq.streamed: max(end, seq.streamed)]
+        seq.streamed += len(delta)
+        return delta
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+        if self.drafter is not None:
+            self.drafter.release(seq.slot)
+
+    # --- measurement ----------------------------------------------------------------------------------------
+
+    def calibrate(self, repeats: int = 2) -> dict[int, float]:
+        """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs."""
+        scratch = self.max_batch
+        sizes = sorted({1, 2, 3, 5, self.k_max // 2 + 1, self.k_max + 1})
+        self.model(torch.zeros(1, 8, dtype=torch.long, device=self.device),
+                   torch.arange(8, device=self.device)[None], self.cache, [scratch])  # warm-up
+        for T in sizes:
+            for _ in range(repeats):
+                t0 = self._now()
+                self.model(torch.zeros(1, T, dtype=torch.long, device=self.device),
+                           torch.arange(8, 8 + T, device=self.device)[None], self.cache, [scratch])
+                self.costs.observe_verify(T, self._now() - t0)
+        self._calibrated = True
+        return dict(self.costs.verify)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _check_k(k: int | str, k_max: int) -> int | str:
+    if not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:
+        raise SpecwiseError(f"k_max={k_max!r} is not allowed: it must be from 1 to {K_MAX}")
+    if k == "auto":
+        return k
+    if isinstance(k, str) and k.isdigit():
+        k = int(k)
+    if not isinstance(k, int) or not 1 <= k <= K_MAX:
+        raise SpecwiseError(f"k={k!r} is not allowed: give a draft length from 1 to {K_MAX}, or 'auto'")
+    return k

@@ -1,0 +1,242 @@
+"""A compact Llama-family decoder: Llama, SmolLM, Qwen2 and Mistral configs.
+
+RoPE, grouped-query attention, RMSNorm, SwiGLU, tied or untied head, optional QKV bias. `forward(tokens,
+positions, cache, slots)` runs any number of new tokens per row at per-row positions, writing their keys and values
+into the preallocated `KVCache`; a prefill, a one-token decode step and a (k+1)-token verification are the same
+call. Q/K/V and gate/up projections are fused into one matmul each: fewer, larger kernels on a small CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specwise.engine.cache import KVCache, rows_index
+from specwise.errors import SpecwiseError
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model, read from an HF config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v
+    o_bias: bool = False  # Llama's attention_bias also puts one on o_proj
+    architecture: str = "LlamaForCausalLM"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise SpecwiseError(
+                f"architecture {arch!r} is not one our decoder runs (allowed: {sorted(SUPPORTED_ARCHITECTURES)}); "
+                "load it with the transformers adapter instead"
+            )
+        heads = cfg["num_attention_heads"]
+        qwen = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if scaling:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type == "default":
+                scaling = None
+            elif rope_type not in ("linear", "llama3"):
+                raise SpecwiseError(f"rope scaling {rope_type!r} is not supported (allowed: default, linear, llama3)")
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen or attention_bias,
+            o_bias=attention_bias and not qwen,
+            architecture=arch,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,), with linear or Llama-3 scaling applied as transformers does."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv_freq
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    # llama3: keep high frequencies, divide low ones by factor, blend in between.
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing every submodule and tensor of `module`, whose children can be swapped alone."""
+    clone = copy.copy(module)
+    clone._modules, clone._parameters, clone._buffers = (
+        dict(module._modules), dict(module._parameters), dict(module._buffers))
+    return clone
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, rows, positions, length: int, mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(B, T, self.h, self.d)  # (B, T, H, D)
+        k = k.view(B, T, self.hkv, self.d)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.hkv, self.d)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(layer, rows, positions, k, v)
+        keys, values = cache.read(layer, rows, length)  # (B, Hkv, S, D)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=False, enable_gqa=self.h != self.hkv
+        )  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, layer, rows, positions, length, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rows, positions, length, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Token ids at per-row positions in, logits out; keys and values go to the caller's cache."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_len = max_len or cfg.max_position_embeddings
+        self._init_rope()
+
+    def _init_rope(self) -> None:
+        """cos/sin tables (S, D) for every position; rebuilt after weights are loaded off the meta device."""
+        device = self.embed_tokens.weight.device if self.embed_tokens.weight.device.type != "meta" else None
+        pos = torch.arange(self.max_len, dtype=torch.float64, device=device)
+        freqs = torch.outer(pos, rope_inv_freq(self.cfg).to(pos.device))  # (S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (S, D)
+        self.register_buffer("rope_cos", emb.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().float(), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(len(self.layers), num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
+                       dtype=p.dtype, device=p.device)
+
+    def derive(self, layers: list[nn.Module], lm_head: nn.Module | None = None) -> Decoder:
+        """A decoder sharing this one's embeddings, norm and RoPE tables but running `layers` (and `lm_head`)."""
+        sub = shallow_copy(self)
+        sub.layers = nn.ModuleList(layers)
+        if lm_head is not None:
+            sub.lm_head = lm_head
+        return sub
+
+    def layer_subset(self, layer_ids: list[int]) -> Decoder:
+        """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""
+        return self.derive([self.layers[i] for i in layer_ids])
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]
+                ) -> torch.Tensor:
+        """tokens, positions (B, T) → logits (B, T, V) in fp32; rows are cache slots `slots`."""
+        B, T = tokens.shape
+        rows = rows_index(slots, tokens.device)
+        length = int(positions.max()) + 1  # keys to read: every position any query may see
+        cos = self.rope_cos[positions].unsqueeze(2).to(self.embed_tokens.weight.dtype)  # (B, T, 1, D)
+        sin = self.rope_sin[positions].unsqueeze(2).to(self.embed_tokens.weight.dtype)
+        if T == 1 and B == 1:
+            mask = None  # the single query sees every cached position up to its own
+        else:
+            key_pos = torch.arange(length, device=tokens.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, cache, i, rows, positions, length, mask)
+        return self.lm_head(self.norm(x)).float()  # (B, T, V)
