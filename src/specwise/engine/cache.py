@@ -29,6 +29,9 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
     def write(self, layer: int, rows: slice | torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store k, v (B, T, Hkv, D) for the batch's rows at positions (B, T)."""

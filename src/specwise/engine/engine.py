@@ -106,7 +106,8 @@ class Engine:
             drafter = make_drafter(drafter, target, max_batch, cache_len)
         self.drafter: Drafter | None = drafter
         self.costs = CostModel()
-        self._calibrated = False
+        if self.drafter is not None and self.k_spec == "auto":
+            self.calibrate()  # adaptive k needs verification costs from its first step on
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
@@ -262,8 +263,6 @@ class Engine:
     def _draft_len(self, seq: Sequence) -> int:
         if seq.controller is None:
             return 0
-        if self.k_spec == "auto" and not self._calibrated:
-            self.calibrate()
         room = min(self.max_len - len(seq.token_ids), seq.params.max_new_tokens - len(seq.output_ids)) - 1
         return max(0, min(seq.controller.choose(), room))
 
@@ -345,7 +344,6 @@ class Engine:
                 self.model(torch.zeros(1, T, dtype=torch.long, device=self.device),
                            torch.arange(8, 8 + T, device=self.device)[None], self.cache, [scratch])
                 self.costs.observe_verify(T, self._now() - t0)
-        self._calibrated = True
         return dict(self.costs.verify)
 
     def _now(self) -> float:

@@ -27,7 +27,7 @@ class ModelDrafter:
         self.device = next(model.parameters()).device
 
     def extra_memory_bytes(self) -> int:
-        return self._extra_weights + self.cache.k.numel() * self.cache.k.element_size() * 2
+        return self._extra_weights + self.cache.nbytes()
 
     def release(self, slot: int) -> None:
         self.seen.pop(slot, None)

@@ -1,0 +1,109 @@
+"""The `specwise` command line. Engine subcommands import torch lazily, so `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specwise import __version__
+from specwise.errors import SpecwiseError
+
+
+def _k(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a draft length: give a whole number or 'auto'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specwise", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specwise {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text, speculatively or not, and show what speculation did")
+    gen.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
+    gen.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--drafter", help="ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: none = baseline)")
+    gen.add_argument("--k", type=_k, default=4, help="draft length 1..16, or 'auto' (adaptive); default 4")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    gen.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    gen.add_argument("--stats", action="store_true", help="print the request's statistics after the text")
+    gen.add_argument("--json", action="store_true", help="print the whole result as JSON instead of streaming")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specwise.engine import Engine, SamplingParams, load_target
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    if not args.prompt.strip():
+        raise SpecwiseError("the prompt is empty: give at least one character of text")
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1)
+    use_chat = not args.raw and target.tokenizer.chat_template is not None
+    prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
+    if args.json:
+        result = engine.generate([prompt], params)[0]
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    result = None
+    for event in engine.stream(prompt, params):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        result = event.result
+    sys.stdout.write("\n")
+    if args.stats and result is not None:
+        print(format_stats(result, engine), file=sys.stderr)
+    return 0
+
+
+def format_stats(result, engine) -> str:
+    """A short human-readable block of the request's statistics."""
+    s = result.stats
+    drafter = engine.drafter.name if engine.drafter else "none (baseline)"
+    rate = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
+    mal = f"{s.mean_acceptance_length:.2f}" if s.mean_acceptance_length is not None else "-"
+    tps = (s.generated_tokens - 1) / s.decode_time if s.decode_time > 0 and s.generated_tokens > 1 else 0.0
+    by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_by_position) or "-"
+    lines = [
+        f"drafter            {drafter}  k={engine.k_spec}",
+        f"tokens             prompt {s.prompt_tokens}, generated {s.generated_tokens} ({result.finish_reason})",
+        f"time               prefill {s.prefill_time:.3f}s, TTFT {s.ttft:.3f}s, decode {s.decode_time:.3f}s, "
+        f"E2E {s.e2e:.3f}s",
+        f"decode speed       {tps:.1f} tokens/s",
+        f"verification       {s.verification_steps} steps, drafted {s.drafted}, accepted {s.accepted}",
+        f"acceptance         rate {rate}, mean acceptance length {mal}",
+        f"by position        {by_pos}",
+        f"time split         drafting {s.drafting_time:.3f}s, verification {s.verification_time:.3f}s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecwiseError as exc:
+        print(f"specwise: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Any transformers causal LM behind our decoder's interface, for architectures our decoder does not cover.
+
+It keeps one transformers cache per slot and runs the rows of a batch one at a time (batch size 1 inside). Writing
+at a position is emulated by cropping that slot's cache to the position first, so rejected draft tokens are
+discarded exactly as our own cache overwrites them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class SlotCaches:
+    """One transformers cache per slot (None until the slot's first pass)."""
+
+    def __init__(self, num_slots: int):
+        self.rows: list = [None] * num_slots
+
+    def nbytes(self) -> int:
+        total = 0
+        for c in self.rows:
+            for layer in getattr(c, "layers", []) or []:
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        return total
+
+
+class HFAdapter(nn.Module):
+    """forward(tokens, positions, cache, slots) → logits, run through a transformers model."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.max_len = getattr(hf_model.config, "max_position_embeddings", None) or 2048
+
+    @classmethod
+    def load(cls, directory: Path, dtype: torch.dtype, device: torch.device) -> HFAdapter:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM
+
+        from specwise.errors import SpecwiseError
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SpecwiseError(f"{directory}: transformers could not load this model ({exc})") from exc
+        return cls(model.to(device).eval())
+
+    def new_cache(self, num_slots: int, max_len: int) -> SlotCaches:
+        return SlotCaches(num_slots)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCaches, slots: list[int]
+                ) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        out = []
+        for b, slot in enumerate(slots):
+            start = int(positions[b, 0])
+            past = cache.rows[slot]
+            if past is None or start == 0:
+                past = DynamicCache()
+            else:
+                past.crop(start)
+            result = self.hf(input_ids=tokens[b : b + 1], position_ids=positions[b : b + 1], past_key_values=past,
+                             use_cache=True)
+            cache.rows[slot] = result.past_key_values
+            out.append(result.logits.float())
+        return torch.cat(out)  # (B, T, V)

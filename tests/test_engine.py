@@ -1,0 +1,227 @@
+"""The engine on tiny random models: greedy equality for every drafter and k, batching, distribution, adaptive k.
+
+Greedy-equality preconditions (as transformers states them): ignore_eos so no request ends early, enough tokens
+for many verification rounds, and prompts that repeat themselves so n-gram drafts are sometimes accepted.
+"""
+
+import math
+
+import pytest
+import torch
+
+from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine.drafters import Draft
+
+PROMPTS = [
+    "abc abc abc ab",
+    "the cat sat on the mat. the cat sat on",
+    "1, 2, 3, 1, 2, 3, 1,",
+    "hello",
+    "x",
+    "a long prompt: release notes, fixes, release notes, fixes, release",
+]
+KS = [1, 2, 4, 8, "auto"]
+
+
+def drafters(tiny_draft_dir):
+    return ["ngram", f"model:{tiny_draft_dir}", "int8", "layerskip:1"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    return [r.token_ids for r in Engine(tiny, max_batch=8).generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("which", range(4))
+def test_greedy_speculative_equals_baseline(tiny, tiny_draft_dir, baseline, which, k):
+    spec = drafters(tiny_draft_dir)[which]
+    engine = Engine(tiny, drafter=spec, k=k, max_batch=8)
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == baseline
+    assert all(r.stats.verification_steps >= 2 for r in results)
+    assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_speculation_actually_skips_steps(tiny, baseline):
+    """On repetitive text n-gram drafts are accepted, so fewer target passes produce the same tokens."""
+    results = Engine(tiny, drafter="ngram", k=4, max_batch=8).generate(
+        PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert sum(r.stats.accepted for r in results) > 0
+    assert sum(r.stats.verification_steps for r in results) < sum(len(b) - 1 for b in baseline)
+
+
+def test_batch_equals_each_prompt_alone(tiny, baseline):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = [Engine(tiny, max_batch=1).generate([p], params)[0].token_ids for p in PROMPTS]
+    assert alone == baseline
+
+
+def test_more_prompts_than_slots_queue_and_match(tiny, baseline):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    results = Engine(tiny, drafter="ngram", k=2, max_batch=2).generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == baseline
+
+
+def test_identical_draft_model_accepts_everything(tiny, tiny_dir):
+    engine = Engine(tiny, drafter=f"model:{tiny_dir}", k=4, max_batch=4)
+    results = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert all(r.stats.acceptance_rate == 1.0 for r in results)
+    # 19 tokens after the prefill's first, 5 per step (4 accepted + bonus): 4 steps, the last one shortened.
+    assert all(r.stats.verification_steps == math.ceil(19 / 5) for r in results)
+
+
+def test_stats_are_consistent(tiny):
+    r = Engine(tiny, drafter="ngram", k=4).generate(PROMPTS[1], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    s = r.stats
+    assert s.generated_tokens == len(r.token_ids) == 20
+    assert s.prompt_tokens == len(PROMPTS[1])
+    assert s.accepted <= s.drafted and s.accepted == s.accepted_per_position[0] + sum(s.accepted_per_position[1:])
+    assert s.drafted_per_position[0] >= s.drafted_per_position[-1]
+    assert 0 < s.prefill_time <= s.ttft <= s.e2e and s.decode_time <= s.e2e
+    # every output token after the first comes out of a verification step
+    assert s.verification_steps + s.accepted >= s.generated_tokens - 1
+
+
+def test_eos_and_stop_strings(tiny):
+    engine = Engine(tiny)
+    free = engine.generate("the cat", SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    stop = free.text[5:7]
+    cut = engine.generate("the cat", SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.find(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
+
+
+def test_stream_concatenates_to_the_result(tiny):
+    engine = Engine(tiny, drafter="ngram", k=4)
+    events = list(engine.stream("abc abc abc", SamplingParams(max_new_tokens=16, ignore_eos=True)))
+    assert events[-1].finished
+    assert "".join(e.text for e in events) == events[-1].result.text
+    assert sum(len(e.token_ids) for e in events) == 16
+
+
+def test_chat_messages_use_the_template(tiny):
+    engine = Engine(tiny)
+    ids = engine.encode_prompt([{"role": "user", "content": "hi"}])
+    assert tiny.tokenizer.decode(ids) == "u:hi\na:"
+
+
+class FailingDrafter:
+    """Always proposes k copies of a token the target never picks."""
+
+    name = "failing"
+
+    def propose(self, seqs, ks):
+        return [Draft([0] * k) for k in ks]
+
+    def release(self, slot):
+        pass
+
+    def extra_memory_bytes(self):
+        return 0
+
+
+def test_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):
+    target = load_target(tiny_dir)
+    # A prompt whose greedy continuation never contains token 0 ('a').
+    engine = Engine(target, drafter=FailingDrafter(), k="auto", max_batch=1)
+    r = engine.generate("zzzz", SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
+    assert 0 not in r.token_ids
+    drafted_steps = r.stats.drafted_per_position[0]
+    assert drafted_steps < r.stats.verification_steps / 2  # most steps ran plain
+    assert r.stats.drafted < 0.5 * 4 * r.stats.verification_steps  # far below a fixed k=4
+
+
+# --- distribution -------------------------------------------------------------------------------------------------
+
+SMALL = list("abcd")
+
+
+@pytest.fixture(scope="module")
+def small_dirs(tmp_path_factory):
+    from conftest import write_tiny_model
+
+    base = tmp_path_factory.mktemp("small")
+    target = write_tiny_model(base / "t", chars=SMALL, layers=2, hidden=32, heads=2, kv_heads=1, std=0.3)
+    draft = write_tiny_model(base / "d", chars=SMALL, layers=1, hidden=32, heads=2, kv_heads=1, std=0.3, seed=5)
+    return target, draft
+
+
+def exact_joint(model, prompt_ids, n, V):
+    """P(first n tokens) under the target, by enumerating prefixes (fp64)."""
+    probs = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, p in probs.items():
+            ids = prompt_ids + list(prefix)
+            cache = model.new_cache(1, 64)
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, [0])[0, -1].double()
+            dist = torch.softmax(logits, -1)
+            for t in range(V):
+                nxt[(*prefix, t)] = p * float(dist[t])
+        probs = nxt
+    return probs
+
+
+def chi2_critical(df, z=3.09):
+    """Wilson–Hilferty upper quantile of chi-square (z=3.09: 0.1% false-alarm level)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts, exact, N):
+    stat, df = 0.0, -1
+    for key, p in exact.items():
+        if p * N >= 5:
+            stat += (counts.get(key, 0) - p * N) ** 2 / (p * N)
+            df += 1
+    return stat, df
+
+
+def sample_first_tokens(engine, prompt, N, n=3):
+    counts = {}
+    params = [SamplingParams(max_new_tokens=n + 1, temperature=1.0, seed=s, ignore_eos=True) for s in range(N)]
+    for r in engine.generate([prompt] * N, params):
+        key = tuple(r.token_ids[:n])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+N_SAMPLES = 3000
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "int8", "layerskip:1"])
+def test_sampling_preserves_the_target_distribution(small_dirs, drafter):
+    """The first three tokens (t1 from the prefill, t2..t3 from one verification with k=2) follow the target."""
+    target = load_target(small_dirs[0])
+    spec = f"model:{small_dirs[1]}" if drafter == "model" else drafter
+    prompt = "abcdabcdbadc"
+    engine = Engine(target, drafter=spec, k=2, max_batch=16)
+    counts = sample_first_tokens(engine, prompt, N_SAMPLES)
+    exact = exact_joint(target.model, target.tokenizer.encode(prompt), 3, target.tokenizer.vocab_size)
+    stat, df = chi2(counts, exact, N_SAMPLES)
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} with df={df}"
+
+
+def test_distribution_check_catches_a_sampler_that_always_accepts(small_dirs, monkeypatch):
+    """The check above has teeth: accept-everything sampling (a classic bug) fails it."""
+    from specwise.engine import engine as engine_mod
+    from specwise.engine.verify import BONUS, Verdict
+
+    def always_accept(draft, draft_probs, target_probs, generator):
+        bonus = int(torch.multinomial(target_probs[len(draft)], 1, generator=generator))
+        return Verdict(len(draft), bonus, BONUS)
+
+    monkeypatch.setattr(engine_mod, "rejection_verify", always_accept)
+    target = load_target(small_dirs[0])
+    engine = Engine(target, drafter="ngram", k=2, max_batch=16)
+    counts = sample_first_tokens(engine, "abcdabcdbadc", N_SAMPLES)
+    exact = exact_joint(target.model, target.tokenizer.encode("abcdabcdbadc"), 3, target.tokenizer.vocab_size)
+    stat, df = chi2(counts, exact, N_SAMPLES)
+    assert stat > chi2_critical(df)
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    runs = [Engine(tiny, drafter="ngram", k=3).generate("abc abc", params)[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
