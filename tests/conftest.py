@@ -30,7 +30,8 @@ def write_char_tokenizer(path: Path, chars: list[str] = CHARS) -> int:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([EOS])
     tok.save(str(path / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}a:{% endif %}")
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": template}))
     return len(vocab)
 

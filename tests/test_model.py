@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import write_tiny_model
+
 from specwise.engine import load_target
 
 
@@ -51,7 +51,7 @@ def test_rejected_slots_are_overwritten(tiny):
     """Garbage written past a row's length (a rejected draft) does not leak into later passes."""
     ids = [5, 6, 7, 8, 9, 10]
     cache = tiny.model.new_cache(1, 64)
-    tiny.model(torch.tensor([ids[:4] + [1, 1, 1]]), torch.arange(7)[None], cache, [0])  # 3 "draft" tokens
+    tiny.model(torch.tensor([[*ids[:4], 1, 1, 1]]), torch.arange(7)[None], cache, [0])  # 3 "draft" tokens
     rerun = tiny.model(torch.tensor([ids[4:]]), torch.tensor([[4, 5]]), cache, [0])
     assert torch.allclose(rerun, our_logits(tiny.model, ids)[:, 4:], atol=1e-4)
 

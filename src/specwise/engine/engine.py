@@ -164,7 +164,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise SpecwiseError(f"{len(plist)} sampling settings for {len(prompts)} prompts: give one per prompt")
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist, strict=False)]
         results: dict[str, GenerationResult] = {}
         while self.has_work:
             for event in self.step():
@@ -230,19 +230,19 @@ class Engine:
         drafts = [Draft([]) for _ in seqs]
         spec = [i for i, k in enumerate(ks) if k > 0]
         if spec:
-            for i, d in zip(spec, self.drafter.propose([seqs[i] for i in spec], [ks[i] for i in spec])):
+            for i, d in zip(spec, self.drafter.propose([seqs[i] for i in spec], [ks[i] for i in spec]), strict=False):
                 drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
         t1 = self._now()
-        rows = [[s.token_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)]
+        rows = [[s.token_ids[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=False)]
         T = max(len(r) for r in rows)
         tokens = torch.zeros(len(seqs), T, dtype=torch.long)
         positions = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, (seq, row) in enumerate(zip(seqs, rows)):
+        for b, (seq, row) in enumerate(zip(seqs, rows, strict=False)):
             tokens[b, : len(row)] = torch.tensor(row)
             positions[b] = torch.arange(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + T)
         logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, [s.slot for s in seqs])
         verdicts = []
-        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
+        for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
             scores = logits[b, : len(draft.tokens) + 1]  # (k+1, V)
             if seq.params.greedy:
                 verdicts.append(greedy_verify(draft.tokens, scores.argmax(-1).tolist()))
@@ -253,7 +253,7 @@ class Engine:
         self.costs.observe_verify(T, t2 - t1)
         self.costs.observe_draft(max(ks), t1 - t0)
         events = []
-        for seq, draft, verdict in zip(seqs, drafts, verdicts):
+        for seq, draft, verdict in zip(seqs, drafts, verdicts, strict=False):
             if seq.controller is not None:
                 seq.controller.observe(len(draft.tokens), verdict.accepted)
             seq.stats.observe_step(len(draft.tokens), verdict.accepted, t1 - t0 if draft.tokens else 0.0, t2 - t1)

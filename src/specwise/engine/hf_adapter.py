@@ -65,10 +65,10 @@ class HFAdapter(nn.Module):
             past = cache.rows[slot]
             if past is None or start == 0:
                 past = DynamicCache()
-            else:
-                past.crop(start)
+            elif past.get_seq_length() > start:
+                past.crop(start - past.get_seq_length())  # negative: drop that many (transformers 4.x and 5.x)
             result = self.hf(input_ids=tokens[b : b + 1], position_ids=positions[b : b + 1], past_key_values=past,
                              use_cache=True)
-            cache.rows[slot] = result.past_key_values
+            cache.rows[slot] = past  # updated in place
             out.append(result.logits.float())
         return torch.cat(out)  # (B, T, V)

@@ -19,6 +19,7 @@ class RequestStats:
     verification_steps: int = 0  # target passes after the prefill
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    rejections: int = 0  # verification steps that rejected a draft token (the rest accepted all they were given)
     drafting_time: float = 0.0
     verification_time: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
@@ -28,6 +29,7 @@ class RequestStats:
         self.verification_steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
         self.drafting_time += drafting_time
         self.verification_time += verification_time
         for per_pos, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
@@ -46,8 +48,14 @@ class RequestStats:
         return (self.accepted + self.verification_steps) / self.verification_steps if self.verification_steps else None
 
     @property
+    def token_acceptance(self) -> float | None:
+        """Per-token acceptance α: accepted over every draft position verification judged (the theory's α)."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else None
+
+    @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position) if d]
+        return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=False) if d]
 
     @property
     def tpot(self) -> float | None:

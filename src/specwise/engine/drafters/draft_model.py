@@ -77,7 +77,7 @@ class ModelDrafter:
         last_logits: dict[int, torch.Tensor] = {}
         for group in groups:
             if group:
-                for i, row in zip(group, self._forward([pending[i] for i in group])):
+                for i, row in zip(group, self._forward([pending[i] for i in group]), strict=False):
                     last_logits[i] = row
         for i in active:
             self.seen[seqs[i].slot] += pending[i][1]
@@ -92,7 +92,7 @@ class ModelDrafter:
             if not wanting:
                 break
             rows = [(seqs[i].slot, [drafts[i].tokens[-1]], len(self.seen[seqs[i].slot])) for i in wanting]
-            last_logits = dict(zip(wanting, self._forward(rows)))
+            last_logits = dict(zip(wanting, self._forward(rows), strict=False))
             for i in wanting:
                 self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
         for i in active:

@@ -37,7 +37,7 @@ class NgramDrafter:
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         out = []
-        for seq, k in zip(seqs, ks):
+        for seq, k in zip(seqs, ks, strict=False):
             tokens = lookup(np.asarray(seq.token_ids), k, self.max_ngram, self.min_ngram) if k > 0 else []
             out.append(Draft(tokens))
         return out

@@ -1,0 +1,157 @@
+"""specwise vs transformers on the embedded model, side by side in one process (fp32, temperature 0).
+
+Two prompt sets: copy-heavy (rewrite / extract / format: the answer reuses the input) and free-form (open
+questions, stories). Systems: specwise baseline, specwise n-gram with fixed k and with adaptive k, transformers
+greedy `generate`, transformers prompt lookup. Runs are interleaved prompt by prompt so drift on a noisy machine
+hits every system alike. Prints tokens/s, ratios measured in this run, acceptance, mean acceptance length, and the
+speedup theory predicts from the measured per-token acceptance α and the measured verification cost.
+
+    python benchmarks/engine_vs_transformers.py [--max-new-tokens 64] [--repeats 1] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine.draft_length import expected_tokens
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+COPY_HEAVY = [
+    "Rewrite these engineering notes as a bulleted list, keeping every item word for word: fixed crash in the "
+    "config parser when the file is empty; added exponential backoff to the upload client; removed the deprecated "
+    "v1 sync endpoint; raised the default timeout of the metrics exporter from 5 to 30 seconds.",
+    "Extract every function name from this code and list them one per line:\n"
+    "def load_config(path): ...\ndef parse_header(line): ...\ndef write_report(rows, out): ...\n"
+    "def retry_upload(client, blob): ...\ndef close_session(session): ...",
+    "Format this as a Markdown table with columns Name, Version, Status: requests 2.31 stable; numpy 1.26 stable; "
+    "torch 2.3 beta; pydantic 2.7 stable; httpx 0.27 beta.",
+]
+FREE_FORM = [
+    "Why is the sky blue? Explain it to a curious ten-year-old.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three good habits for a new software engineer?",
+]
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def run_specwise(engine: Engine, prompt: str, params: SamplingParams) -> dict:
+    t0 = time.perf_counter()
+    r = engine.generate([chat(prompt)], params)[0]
+    wall = time.perf_counter() - t0
+    return {"tokens": len(r.token_ids), "wall": wall, "decode": r.stats.decode_time, "stats": r.stats}
+
+
+def run_hf(hf, ids: torch.Tensor, max_new: int, lookup: int | None) -> dict:
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=0, **kwargs)
+    wall = time.perf_counter() - t0
+    return {"tokens": out.shape[1] - ids.shape[1], "wall": wall, "tokens_out": out[0, ids.shape[1]:].tolist()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--k", type=int, default=4)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    target = load_target()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target.directory), dtype=torch.float32).eval()
+    engines = {
+        "specwise baseline": Engine(target, max_batch=1),
+        f"specwise ngram k={args.k}": Engine(target, drafter="ngram", k=args.k, max_batch=1),
+        "specwise ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=1),
+    }
+    verify_costs = engines["specwise ngram k=auto"].calibrate(repeats=3)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    systems = [*engines, "transformers greedy", f"transformers prompt lookup ({args.k})"]
+    # warm-up: one short run per system
+    warm = SamplingParams(max_new_tokens=4)
+    for e in engines.values():
+        e.generate([chat("hi")], warm)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for set_name, prompts in (("copy-heavy", COPY_HEAVY), ("free-form", FREE_FORM)):
+        for _ in range(args.repeats):
+            for prompt in prompts:
+                ids = torch.tensor([engines["specwise baseline"].encode_prompt(chat(prompt))])
+                for name in systems:
+                    if name in engines:
+                        res = run_specwise(engines[name], prompt, params)
+                    else:
+                        res = run_hf(hf, ids, args.max_new_tokens, args.k if "lookup" in name else None)
+                    results.setdefault((set_name, name), []).append(res)
+        report(set_name, systems, results, verify_costs, args.k)
+
+
+def report(set_name: str, systems: list[str], results: dict, verify_costs: dict, k: int) -> None:
+    def tps(name: str) -> float:
+        runs = results[(set_name, name)]
+        return sum(r["tokens"] for r in runs) / sum(r["wall"] for r in runs)
+
+    base = tps("specwise baseline")
+    print(f"\n== {set_name} ({len(results[(set_name, systems[0])])} runs per system) ==")
+    print(f"{'system':34} {'tok/s':>7} {'vs specwise base':>17} {'vs HF greedy':>13} {'accept':>7} {'MAL':>5}")
+    for name in systems:
+        runs = results[(set_name, name)]
+        stats = [r["stats"] for r in runs if "stats" in r]
+        acc = _ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats))
+        mal = _ratio(sum(s.accepted + s.verification_steps for s in stats), sum(s.verification_steps for s in stats))
+        print(f"{name:34} {tps(name):7.2f} {tps(name) / base:16.2f}x {tps(name) / tps('transformers greedy'):12.2f}x "
+              f"{_fmt(acc):>7} {_fmt(mal):>5}")
+    print(f"specwise ngram k={k} vs transformers prompt lookup: "
+          f"{tps(f'specwise ngram k={k}') / tps(f'transformers prompt lookup ({k})'):.2f}x")
+    # Theory (Leviathan et al.): speedup = E(α, γ) / (verify(γ+1)/verify(1) + draft time per step / base step)
+    base_runs = results[(set_name, "specwise baseline")]
+    base_step = sum(r["decode"] for r in base_runs) / sum(r["tokens"] - 1 for r in base_runs)
+    for name in (f"specwise ngram k={k}", "specwise ngram k=auto"):
+        stats = [r["stats"] for r in results[(set_name, name)]]
+        steps = sum(s.verification_steps for s in stats)
+        alpha = _ratio(sum(s.accepted for s in stats), sum(s.accepted + s.rejections for s in stats)) or 0.0
+        gamma = sum(s.drafted for s in stats) / steps
+        c_verify = _interp(verify_costs, gamma + 1) / _interp(verify_costs, 1)
+        c_draft = sum(s.drafting_time for s in stats) / steps / base_step
+        predicted = expected_tokens(min(alpha, 0.999), gamma) / (c_verify + c_draft)
+        decode_tps = sum(r["tokens"] - 1 for r in results[(set_name, name)]) / sum(
+            r["decode"] for r in results[(set_name, name)])
+        measured = decode_tps * base_step
+        print(f"{name}: α={alpha:.2f} mean γ={gamma:.2f} verify cost ratio={c_verify:.2f} draft share={c_draft:.3f} "
+              f"→ predicted decode speedup {predicted:.2f}x, measured {measured:.2f}x "
+              f"({(measured / predicted - 1) * 100:+.0f}%)")
+    medians = {n: statistics.median(r["tokens"] / r["wall"] for r in results[(set_name, n)]) for n in systems}
+    print("median per-prompt tok/s: " + ", ".join(f"{n}: {v:.2f}" for n, v in medians.items()))
+
+
+def _interp(costs: dict, T: float) -> float:
+    keys = sorted(costs)
+    lo = max([t for t in keys if t <= T], default=keys[0])
+    hi = min([t for t in keys if t >= T], default=keys[-1])
+    if hi == lo:
+        return costs[lo]
+    return costs[lo] + (costs[hi] - costs[lo]) * (T - lo) / (hi - lo)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Every bad input named in the engine issue: one clear error naming the value and what is allowed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import write_tiny_model
+
+from specwise.engine import Engine, SamplingParams, load_target
+from specwise.errors import SpecwiseError
+
+
+def test_empty_prompt(tiny):
+    with pytest.raises(SpecwiseError, match="prompt is empty"):
+        Engine(tiny).generate("", SamplingParams())
+
+
+def test_empty_chat_messages(tiny):
+    with pytest.raises(SpecwiseError, match="chat messages"):
+        Engine(tiny).encode_prompt([{"content": "no role"}])
+
+
+def test_prompt_longer_than_context(tiny):
+    engine = Engine(tiny, max_len=64)
+    with pytest.raises(SpecwiseError, match=r"exceed the context of 64 tokens"):
+        engine.generate("a" * 80, SamplingParams(max_new_tokens=4))
+    with pytest.raises(SpecwiseError, match="together they exceed"):
+        engine.generate("a" * 40, SamplingParams(max_new_tokens=40))
+
+
+def test_missing_weights_path():
+    with pytest.raises(SpecwiseError, match="does not exist"):
+        load_target("/no/such/model")
+
+
+def test_corrupt_safetensors(tmp_path):
+    d = write_tiny_model(tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(SpecwiseError, match="corrupt or unreadable"):
+        load_target(d)
+
+
+def test_corrupt_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECWISE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(SpecwiseError, match=r"not a readable GGUF file"):
+        load_target(bad)
+
+
+def test_not_a_model_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(SpecwiseError, match=r"must be \.gguf"):
+        load_target(f)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(SpecwiseError, match=r"no config\.json"):
+        load_target(tmp_path)
+
+
+def test_draft_model_with_another_vocabulary(tiny, tmp_path):
+    other = write_tiny_model(tmp_path / "other", chars=list("abcdefgh"))
+    with pytest.raises(SpecwiseError, match="another vocabulary"):
+        Engine(tiny, drafter=f"model:{other}")
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("foo", "unknown drafter"),
+    ("ngram:x", "whole number"),
+    ("layerskip:5-9", "outside 0..1"),
+    ("layerskip:a", "does not parse"),
+    ("model:/no/such/dir", "does not exist"),
+])
+def test_bad_drafter_specs(tiny, spec, needle):
+    with pytest.raises(SpecwiseError, match=needle):
+        Engine(tiny, drafter=spec)
+
+
+@pytest.mark.parametrize("k", [0, 17, "fast", -2])
+def test_bad_draft_length(tiny, k):
+    with pytest.raises(SpecwiseError, match="draft length from 1 to 16"):
+        Engine(tiny, drafter="ngram", k=k)
+
+
+def test_bad_device(tiny_dir):
+    with pytest.raises(SpecwiseError, match="device"):
+        load_target(tiny_dir, device="tpu")
+
+
+def test_bad_dtype(tiny_dir):
+    with pytest.raises(SpecwiseError, match="dtype 'int4'"):
+        load_target(tiny_dir, dtype="int4")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specwise.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--temperature", "-1"], "temperature=-1.0"),
+    (["generate", "hi", "--top-p", "0"], "top_p=0.0"),
+    (["generate", "hi", "--top-k", "-1"], "top_k=-1"),
+    (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+    (["generate", "hi", "--k", "many"], "not a draft length"),
+])
+def test_cli_reports_bad_input_without_traceback(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_generate_with_stats_on_a_tiny_model(tiny_dir):
+    proc = run_cli("generate", "abc abc abc", "--model", str(tiny_dir), "--drafter", "ngram", "--k", "auto",
+                   "--max-new-tokens", "12", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert "acceptance" in proc.stderr and "verification" in proc.stderr
+
+
+def test_cli_json_output(tiny_dir):
+    proc = run_cli("generate", "abc", "--model", str(tiny_dir), "--raw", "--max-new-tokens", "5", "--json")
+    result = json.loads(proc.stdout)
+    assert result["stats"]["generated_tokens"] <= 5 and result["finish_reason"] in ("stop", "length")
