@@ -23,20 +23,28 @@ from specwise.engine.draft_length import expected_tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Tasks whose answers reuse the input. The 135M model answers some rewrite instructions (extract names, build a
+# table) with something else entirely; these are ones it answers by reusing its input.
 COPY_HEAVY = [
+    "Fix the spelling mistakes in this paragraph and return the corrected paragraph: The new release improvs the "
+    "upload client, which now retries failed requests with exponential backoff. The config parser no longer crashes "
+    "when the file is emtpy, and the metrics exporter uses a default timeout of thirty seconds.",
+    "Add a docstring to this Python function and return the whole function:\n\ndef retry_upload(client, blob, "
+    "attempts=3):\n    for i in range(attempts):\n        try:\n            return client.put(blob)\n        except "
+    "TimeoutError:\n            time.sleep(2 ** i)\n    raise RuntimeError('upload failed')",
     "Rewrite these engineering notes as a bulleted list, keeping every item word for word: fixed crash in the "
     "config parser when the file is empty; added exponential backoff to the upload client; removed the deprecated "
     "v1 sync endpoint; raised the default timeout of the metrics exporter from 5 to 30 seconds.",
-    "Extract every function name from this code and list them one per line:\n"
-    "def load_config(path): ...\ndef parse_header(line): ...\ndef write_report(rows, out): ...\n"
-    "def retry_upload(client, blob): ...\ndef close_session(session): ...",
-    "Format this as a Markdown table with columns Name, Version, Status: requests 2.31 stable; numpy 1.26 stable; "
-    "torch 2.3 beta; pydantic 2.7 stable; httpx 0.27 beta.",
+    'Convert this JSON to YAML:\n{"name": "uploader", "version": "2.4.1", "retries": 3, "backoff": "exponential", '
+    '"endpoints": ["/v2/sync", "/v2/upload", "/v2/status"], "timeout_seconds": 30}',
+    "Put each sentence of this text on its own line: The parser no longer crashes on empty files. Uploads now retry "
+    "with exponential backoff. The v1 sync endpoint has been removed. The exporter timeout is now thirty seconds.",
 ]
 FREE_FORM = [
     "Why is the sky blue? Explain it to a curious ten-year-old.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "What are three good habits for a new software engineer?",
+    "Describe a walk through a forest in autumn.",
 ]
 
 
@@ -122,15 +130,22 @@ def report(set_name: str, systems: list[str], results: dict, verify_costs: dict,
         stats = [r["stats"] for r in results[(set_name, name)]]
         steps = sum(s.verification_steps for s in stats)
         alpha = _ratio(sum(s.accepted for s in stats), sum(s.accepted + s.rejections for s in stats)) or 0.0
-        gamma = sum(s.drafted for s in stats) / steps
-        c_verify = _interp(verify_costs, gamma + 1) / _interp(verify_costs, 1)
+        # Steps by draft length γ (n-gram drafts are often shorter than k, or empty): average E and cost over them.
+        at_least = [sum(s.drafted_per_position[j] for s in stats if len(s.drafted_per_position) > j)
+                    for j in range(max(len(s.drafted_per_position) for s in stats))]
+        counts = [steps - (at_least[0] if at_least else 0)] + [
+            at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j in range(len(at_least))]
+        tokens = sum(n * expected_tokens(min(alpha, 0.999), g) for g, n in enumerate(counts)) / steps
+        c_verify = sum(n * _interp(verify_costs, g + 1) for g, n in enumerate(counts)) / steps / _interp(
+            verify_costs, 1)
         c_draft = sum(s.drafting_time for s in stats) / steps / base_step
-        predicted = expected_tokens(min(alpha, 0.999), gamma) / (c_verify + c_draft)
+        predicted = tokens / (c_verify + c_draft)
         decode_tps = sum(r["tokens"] - 1 for r in results[(set_name, name)]) / sum(
             r["decode"] for r in results[(set_name, name)])
         measured = decode_tps * base_step
-        print(f"{name}: α={alpha:.2f} mean γ={gamma:.2f} verify cost ratio={c_verify:.2f} draft share={c_draft:.3f} "
-              f"→ predicted decode speedup {predicted:.2f}x, measured {measured:.2f}x "
+        mean_gamma = sum(g * n for g, n in enumerate(counts)) / steps
+        print(f"{name}: α={alpha:.2f} mean γ={mean_gamma:.2f} verify cost ratio={c_verify:.2f} "
+              f"draft share={c_draft:.3f} → predicted decode speedup {predicted:.2f}x, measured {measured:.2f}x "
               f"({(measured / predicted - 1) * 100:+.0f}%)")
     medians = {n: statistics.median(r["tokens"] / r["wall"] for r in results[(set_name, n)]) for n in systems}
     print("median per-prompt tok/s: " + ", ".join(f"{n}: {v:.2f}" for n, v in medians.items()))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine.draft_length import AdaptiveK, CostModel
 from specwise.engine.drafters import Draft
 
 PROMPTS = [
@@ -122,15 +123,51 @@ class FailingDrafter:
         return 0
 
 
-def test_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):
+class FrozenCosts(CostModel):
+    """CPU-like costs that timing noise cannot move: a pass of T tokens costs 1 + 0.1·(T − 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.verify = {t: 1.0 + 0.1 * (t - 1) for t in range(1, 18)}
+        self.draft_per_token = 0.001
+
+    def observe_verify(self, tokens_per_row, seconds):
+        pass
+
+    def observe_draft(self, tokens, seconds):
+        pass
+
+
+def test_adaptive_k_grows_with_acceptance_and_decays_without():
+    good, bad = AdaptiveK(FrozenCosts(), k_max=8), AdaptiveK(FrozenCosts(), k_max=8)
+    for _ in range(20):
+        good.observe(good.choose(), good.choose())  # everything accepted
+        bad.observe(max(bad.choose(), 1), 0)  # everything rejected
+    assert good.choose() == 8 and good.alpha > 0.9
+    choices = [bad.choose() for _ in range(16)]
+    assert choices.count(0) >= 14 and set(choices) <= {0, 1}  # plain decoding, with an occasional k=1 probe
+
+
+def test_adaptive_k_follows_the_cost_of_verification():
+    cheap, dear = FrozenCosts(), FrozenCosts()
+    dear.verify = {t: 1.0 + 1.0 * (t - 1) for t in range(1, 18)}  # a pass costs as much per token as decoding
+    a, b = AdaptiveK(cheap, k_max=8), AdaptiveK(dear, k_max=8)
+    for c in (a, b):
+        for _ in range(10):
+            c.observe(4, 2)  # α ≈ 0.67
+    assert a.choose() > b.choose()
+    assert b.choose() == 0  # with α < 1 and no parallelism, drafting can only cost
+
+
+def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):
     target = load_target(tiny_dir)
-    # A prompt whose greedy continuation never contains token 0 ('a').
     engine = Engine(target, drafter=FailingDrafter(), k="auto", max_batch=1)
+    engine.costs = FrozenCosts()
     r = engine.generate("zzzz", SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
-    assert 0 not in r.token_ids
-    drafted_steps = r.stats.drafted_per_position[0]
-    assert drafted_steps < r.stats.verification_steps / 2  # most steps ran plain
-    assert r.stats.drafted < 0.5 * 4 * r.stats.verification_steps  # far below a fixed k=4
+    assert 0 not in r.token_ids  # the target never picks the drafted token, so every draft fails
+    assert r.stats.accepted == 0
+    assert r.stats.drafted_per_position[0] < r.stats.verification_steps / 3  # most steps ran plain
+    assert r.stats.drafted < 4 * r.stats.verification_steps / 4
 
 
 # --- distribution -------------------------------------------------------------------------------------------------

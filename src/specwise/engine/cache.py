@@ -33,9 +33,14 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def write(self, layer: int, rows: slice | torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store k, v (B, T, Hkv, D) for the batch's rows at positions (B, T)."""
-        if isinstance(rows, slice):
+              v: torch.Tensor, start: int | None = None) -> None:
+        """Store k, v (B, T, Hkv, D) for the batch's rows at positions (B, T); `start` when every row's positions
+        are start, start+1, … (then the write is a slice copy)."""
+        if isinstance(rows, slice) and start is not None:
+            T = k.shape[1]
+            self.k[layer, rows, :, start : start + T] = k.transpose(1, 2)
+            self.v[layer, rows, :, start : start + T] = v.transpose(1, 2)
+        elif isinstance(rows, slice):
             # Contiguous slots: a view, then per-row position scatter.
             ck, cv = self.k[layer, rows], self.v[layer, rows]  # (B, Hkv, S, D)
             b = torch.arange(positions.shape[0], device=positions.device)[:, None]  # (B, 1)

@@ -78,7 +78,7 @@ class AdaptiveK:
     """Per-request k from the online acceptance estimate and the measured costs."""
 
     def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 4, prior_alpha: float = 0.5,
-                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 8):
+                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8):
         self.costs, self.k_max, self.start_k = costs, k_max, start_k
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
         self.probe_every = probe_every
