@@ -4,7 +4,8 @@ With per-token acceptance α, drafting k tokens yields E(k) = (1 − α^(k+1)) /
 (Leviathan et al. 2023) and costs draft(k) + verify(k+1) seconds, both measured on this machine (`CostModel`).
 `AdaptiveK` estimates α online for each request and picks the k with the best E(k) / cost(k); k = 0 is plain
 decoding, so a request whose drafts keep failing decays to it. It still probes with k = 1 now and then, so a
-request that starts copying again (a quoted list, a repeated heading) gets speculation back.
+request that starts copying again (a quoted list, a repeated heading) gets speculation back; each failed probe
+doubles the wait for the next.
 """
 
 from __future__ import annotations
@@ -77,14 +78,15 @@ class FixedK:
 class AdaptiveK:
     """Per-request k from the online acceptance estimate and the measured costs."""
 
-    def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 4, prior_alpha: float = 0.5,
-                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8):
+    def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 2, prior_alpha: float = 0.5,
+                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64):
         self.costs, self.k_max, self.start_k = costs, k_max, start_k
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
-        self.probe_every = probe_every
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.successes = 0.0  # decayed count of accepted draft positions
         self.trials = 0.0  # decayed count of draft positions verification looked at
         self.plain_steps = 0
+        self.probing = False
 
     @property
     def alpha(self) -> float:
@@ -93,22 +95,27 @@ class AdaptiveK:
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        if self.probing:  # a failed probe waits twice as long for the next one; a success resets the wait
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every) if accepted == 0 else 8
+            self.probing = False
         # Positions after the first rejection were never judged: n successes, then one failure if n < k.
         self.successes = self.decay * self.successes + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
 
     def choose(self) -> int:
-        best_k, best_rate = 0, None
+        best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
-            verify, draft = self.costs.verify_cost(k + 1), self.costs.draft_cost(k)
-            if verify is None or draft is None:
-                return self.start_k  # costs not measured yet: draft to measure them
+            verify = self.costs.verify_cost(k + 1)
+            if verify is None:
+                return self.start_k  # no verification cost measured yet: draft a little to measure it
+            draft = self.costs.draft_cost(k) or 0.0  # unmeasured until the first draft: take it as free
             rate = expected_tokens(self.alpha, k) / (verify + draft)
-            if best_rate is None or rate > best_rate:
+            if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self.plain_steps += 1
             if self.plain_steps % self.probe_every == 0:
+                self.probing = True
                 return 1  # a cheap probe: is drafting paying again?
         else:
             self.plain_steps = 0
