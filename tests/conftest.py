@@ -38,7 +38,7 @@ def write_char_tokenizer(path: Path, chars: list[str] = CHARS) -> int:
 
 def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
                      heads: int = 4, kv_heads: int = 2, tie: bool = False, std: float = 0.4,
-                     chars: list[str] = CHARS, **extra) -> Path:
+                     chars: list[str] = CHARS, max_pos: int = 512, **extra) -> Path:
     """Save a random Llama/Qwen2/Mistral model and a char tokenizer as an HF directory."""
     import transformers
 
@@ -48,7 +48,7 @@ def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, layers: int
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
                  tie_word_embeddings=tie, eos_token_id=vocab - 1, bos_token_id=vocab - 1, **extra)
     torch.manual_seed(seed)
     model = cls[1](cfg)

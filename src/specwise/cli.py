@@ -41,6 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print the request's statistics after the text")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON instead of streaming")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("evaluate", help="measure baseline against speculative configurations and give a verdict")
+    ev.add_argument("--workload", help="YAML/JSONL workload file (default: the built-in release-note workload)")
+    ev.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    ev.add_argument("--config", help="YAML file with `configs: [{name, drafter, k}, …]` (the first is the baseline)")
+    ev.add_argument("--drafter", action="append", help="a speculative configuration's drafter (repeatable; default "
+                                                        "ngram)")
+    ev.add_argument("--k", type=_k, default="auto", help="draft length for --drafter configurations (default auto)")
+    ev.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4 (default 1,4; --quick 1,2)")
+    ev.add_argument("--rate", default=None, help="open-loop Poisson arrival rates in requests/s, e.g. 0.5,1")
+    ev.add_argument("--tasks", type=int, default=None, help="run a stratified subset of N tasks (default 12; "
+                                                          "--quick 4; 0 = all)")
+    ev.add_argument("--repeats", type=int, default=1)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-tokens", type=int, default=None, help="cap every task's output limit")
+    ev.add_argument("--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2")
+    ev.add_argument("--out", default="specwise-run", help="output directory: run.db and report.html (default "
+                                                         "./specwise-run)")
+    ev.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=cmd_evaluate)
+
+    rep = sub.add_parser("report", help="console summary and HTML/JSON/CSV report of a run")
+    rep.add_argument("db", help="a run's results file (run.db)")
+    rep.add_argument("--html", help="write the HTML report here (default: report.html beside the results file)")
+    rep.add_argument("--json", dest="json_path", help="also export everything as JSON to this path")
+    rep.add_argument("--csv", dest="csv_path", help="also export one row per request as CSV to this path")
+    rep.set_defaults(func=cmd_report)
+
+    cmp = sub.add_parser("compare", help="set two runs side by side; flag revisions that differ")
+    cmp.add_argument("a")
+    cmp.add_argument("b")
+    cmp.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -68,6 +103,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats and result is not None:
         print(format_stats(result, engine), file=sys.stderr)
     return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from specwise.harness.evaluate import evaluate_from_args
+
+    return evaluate_from_args(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specwise.harness.report import console_summary, html_report, load_run, to_csv, to_json
+
+    run = load_run(args.db)
+    print(console_summary(run))
+    html = Path(args.html) if args.html else Path(args.db).with_name("report.html")
+    _write(html, html_report(run))
+    print(f"\nreport: {html}")
+    if args.json_path:
+        _write(Path(args.json_path), to_json(run))
+    if args.csv_path:
+        _write(Path(args.csv_path), to_csv(run))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from specwise.harness.compare import compare_runs
+    from specwise.harness.report import load_run
+
+    text, flagged = compare_runs(load_run(args.a), load_run(args.b))
+    print(text)
+    return 1 if flagged else 0
+
+
+def _write(path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise SpecwiseError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def format_stats(result, engine) -> str:

@@ -70,7 +70,9 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         draft = load_target(arg, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, arg)
         extra = sum(p.numel() * p.element_size() for p in draft.model.parameters())
-        return ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra)
+        drafter = ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra)
+        drafter.identity = draft.identity  # provenance: which draft weights, by hash
+        return drafter
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
 
 

@@ -1,0 +1,176 @@
+"""Systems under test. The in-process engine backend runs every configuration on one copy of the target weights.
+
+A backend runs one phase — a list of requests under one load, for one configuration — and hands each finished
+request to `on_record` as it completes. TTFT, inter-chunk latencies and E2E are taken as a client sees them (from
+submission to streamed output); prefill, decode and speculation statistics come from the engine. The engine is
+imported only when this backend is built, so the rest of the harness never imports torch. (The HTTP backend for any
+OpenAI-compatible server plugs in at the same seam.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specwise.harness.load import Load
+from specwise.harness.store import Record
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration under comparison: a name, a drafter spec (None = baseline) and a draft length."""
+
+    name: str
+    drafter: str | None = None
+    k: int | str = "auto"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "drafter": self.drafter, "k": self.k}
+
+
+@dataclass(frozen=True)
+class Request:
+    task_id: str
+    groups: list[str]
+    repeat: int
+    seed: int
+    prompt: str | list[dict]
+    max_tokens: int
+
+
+def hardware() -> dict:
+    """CPU model and thread count of this machine (the engine backend adds the accelerator)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_threads": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+class EngineBackend:
+    """Runs configurations on the in-process engine; one target load, one engine per configuration."""
+
+    def __init__(self, model: str | None, configs: list[Config], device: str = "cpu", max_batch: int = 8,
+                 max_len: int = 1536, temperature: float = 0.0):
+        from specwise.engine import Engine, load_target
+
+        self.target = load_target(model, device=device)
+        self.temperature = temperature
+        self.engines = {c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len)
+                        for c in configs}
+
+    def info(self) -> dict:
+        """Provenance: target identity, each configuration's drafter and its extra resources, hardware."""
+        import torch
+
+        hw = hardware()
+        hw["torch_threads"] = torch.get_num_threads()
+        dev = self.target.device
+        hw["device"] = str(dev)
+        if dev.type == "cuda":
+            hw["gpu"] = torch.cuda.get_device_name(dev)
+        configs = {}
+        for name, e in self.engines.items():
+            d = e.drafter
+            configs[name] = {
+                "drafter": d.name if d else None, "k": e.k_spec if d else None,
+                "draft_extra_memory_bytes": d.extra_memory_bytes() if d else 0, "draft_device": str(dev) if d else None,
+                "draft_identity": _draft_identity(d, self.target),
+            }
+        return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw,
+                "backend": "engine"}
+
+    def warm_up(self) -> None:
+        """One short generation per configuration, so the first measured request pays no one-time costs."""
+        from specwise.engine import SamplingParams
+
+        for e in self.engines.values():
+            e.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))
+
+    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
+            progress: Callable[[], None] | None = None) -> float:
+        """Run one phase; returns its wall time in seconds."""
+        from specwise.engine import SamplingParams
+        from specwise.errors import SpecwiseError
+
+        engine = self.engines[config]
+        pending = list(requests)
+        arrivals = load.arrivals(len(pending), seed=hash((config, load.name)) & 0xFFFF) \
+            if load.kind == "poisson" else None
+        live: dict[str, tuple[Request, float, list[float]]] = {}  # request id → (request, submitted, chunk times)
+        start = time.perf_counter()
+        submitted = 0
+
+        def submit(req: Request) -> None:
+            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=self.temperature, seed=req.seed)
+            now = time.perf_counter()
+            try:
+                rid = engine.submit(req.prompt, params)
+            except SpecwiseError as exc:
+                on_record(Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now,
+                                 error=str(exc)))
+                if progress:
+                    progress()
+                return
+            live[rid] = (req, now, [])
+
+        while pending or live:
+            now = time.perf_counter()
+            if load.kind == "concurrent":
+                while pending and len(live) < load.value:
+                    submit(pending.pop(0))
+                    submitted += 1
+            else:
+                while pending and now - start >= arrivals[submitted]:
+                    submit(pending.pop(0))
+                    submitted += 1
+                if not live and not engine.has_work and pending:
+                    time.sleep(max(0.0, arrivals[submitted] - (time.perf_counter() - start)))
+                    continue
+            if not engine.has_work:
+                continue
+            for event in engine.step():
+                req, t_submit, chunks = live[event.request_id]
+                t = time.perf_counter()
+                if event.token_ids:
+                    chunks.append(t)
+                if event.result is not None:
+                    del live[event.request_id]
+                    on_record(_record(config, load, req, t_submit, t, chunks, event.result))
+                    if progress:
+                        progress()
+        return time.perf_counter() - start
+
+
+def _record(config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list[float],
+            result) -> Record:
+    s = result.stats
+    return Record(
+        config, load.name, req.task_id, req.repeat, req.groups, req.seed, submitted, finished,
+        output=result.text, prompt_tokens=s.prompt_tokens, output_tokens=s.generated_tokens,
+        finish_reason=result.finish_reason, ttft=chunks[0] - submitted if chunks else None,
+        itl=[b - a for a, b in itertools.pairwise(chunks)], e2e=finished - submitted, prefill=s.prefill_time,
+        decode=s.decode_time,
+        spec={"steps": s.verification_steps, "drafted": s.drafted, "accepted": s.accepted,
+              "rejections": s.rejections, "drafted_per_position": s.drafted_per_position,
+              "accepted_per_position": s.accepted_per_position, "drafting_time": s.drafting_time,
+              "verification_time": s.verification_time},
+    )
+
+
+def _draft_identity(drafter, target) -> dict | None:
+    if drafter is None:
+        return None
+    name = drafter.name
+    if name.startswith("model:"):
+        model = getattr(drafter, "identity", None)
+        return model.to_dict() if model else {"name": name}
+    # n-gram has no weights; int8 and layer-skip are derived from the target's own weights.
+    return {"name": name, "derived_from": target.identity.sha256 if name != "ngram" else None}

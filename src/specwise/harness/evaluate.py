@@ -1,0 +1,128 @@
+"""`specwise evaluate`: settings from flags or a config file, checked before anything is measured, then run, report.
+
+With no arguments it runs the built-in release-note workload (a stratified subset of 12 tasks) on the embedded
+model, baseline against n-gram drafting with adaptive k, at concurrency 1 and 4 — about five minutes on two CPU
+cores — and prints the verdict. `--quick` is a one-minute subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from specwise.errors import SpecwiseError
+from specwise.harness.backends import Config
+from specwise.harness.load import loads_from_flags
+from specwise.harness.runner import Plan, run
+from specwise.harness.store import Store
+from specwise.harness.workload import Workload, builtin_workload, load_workload
+
+DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
+
+
+def stratified(workload: Workload, n: int) -> Workload:
+    """n tasks covering every combination of group tags in turn (round-robin over combinations)."""
+    if n <= 0 or n >= len(workload.tasks):
+        return workload
+    by_combo: dict[tuple[str, ...], list] = {}
+    for t in workload.tasks:
+        by_combo.setdefault(tuple(sorted(t.groups)), []).append(t)
+    combos = sorted(by_combo)
+    picked = []
+    while len(picked) < n:
+        for c in combos:
+            if by_combo[c] and len(picked) < n:
+                picked.append(by_combo[c].pop(0))
+    return Workload(workload.name, picked, workload.description, workload.source)
+
+
+def configs_from(args: argparse.Namespace) -> list[Config]:
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise SpecwiseError(f"config file {str(path)!r} does not exist")
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise SpecwiseError(f"{path}: not valid YAML ({exc})") from None
+        raw = doc.get("configs") if isinstance(doc, dict) else None
+        if not isinstance(raw, list) or len(raw) < 2:
+            raise SpecwiseError(f"{path}: 'configs' must list a baseline and at least one speculative configuration")
+        out = []
+        for i, c in enumerate(raw):
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or set(c) - {"name", "drafter", "k"}:
+                raise SpecwiseError(f"{path}: configs[{i}] must be a mapping with 'name' and optionally 'drafter', "
+                                    "'k' (nothing else)")
+            out.append(Config(c["name"], _check_drafter(c.get("drafter"), f"{path}: configs[{i}]"),
+                              c.get("k", "auto")))
+        return out
+    drafters = args.drafter or ["ngram"]
+    return [Config("baseline")] + [Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k)
+                                   for d in drafters]
+
+
+def _check_drafter(spec, where: str):
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or spec.partition(":")[0] not in DRAFTER_KINDS:
+        raise SpecwiseError(f"{where}: unknown drafter {spec!r} (allowed: ngram, ngram:N, model:PATH, int8, "
+                            "layerskip:SPEC)")
+    return spec
+
+
+def check_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specwise-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecwiseError(f"output directory {str(out)!r} is not writable ({exc.strerror or exc})") from None
+
+
+def evaluate_from_args(args: argparse.Namespace) -> int:
+    from specwise.harness.report import console_summary, html_report, load_run
+
+    # Everything is checked before the model loads or anything is measured.
+    workload = load_workload(args.workload) if args.workload else builtin_workload()
+    n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
+    if n_tasks < 0:
+        raise SpecwiseError(f"--tasks {n_tasks} is not allowed: give 0 (all) or a positive number")
+    workload = stratified(workload, n_tasks)
+    loads = loads_from_flags(args.concurrency or ("1,2" if args.quick else ("" if args.rate else "1,4")), args.rate)
+    configs = configs_from(args)
+    cap = args.max_tokens or (48 if args.quick else None)
+    if cap is not None and cap < 1:
+        raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
+    if args.temperature < 0:
+        raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
+    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, args.model, cap)
+    out = Path(args.out)
+    check_output_dir(out)
+    store = Store(out / "run.db")
+    if not args.resume and (store.get_meta("plan") is not None or store.done_keys()):
+        raise SpecwiseError(f"{out / 'run.db'} already holds a run: pass --resume to continue it, or choose "
+                            "another --out")
+    max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
+    print(f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
+          f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}", file=sys.stderr)
+    from specwise.harness.backends import EngineBackend
+
+    backend = EngineBackend(args.model, configs, device=args.device, max_batch=max_batch,
+                            temperature=args.temperature)
+    try:
+        run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every finished request is saved in {out / 'run.db'}; continue with --resume",
+              file=sys.stderr)
+        return 130
+    finally:
+        store.close()
+    result = load_run(out / "run.db")
+    print(console_summary(result))
+    (out / "report.html").write_text(html_report(result))
+    print(f"\nreport: {out / 'report.html'}")
+    return 0

@@ -1,0 +1,149 @@
+"""The evaluation runner: a paired, interleaved comparison written to SQLite as it goes, resumable.
+
+The plan fixes the workload's tasks, the configurations (the first is the baseline), the load levels, repeats,
+seeds and sampling. For each load level and repeat, the tasks are cut into chunks and every configuration runs each
+chunk in turn, alternating which goes first (A B, B A, …), so drift on a noisy machine falls on all of them alike.
+Each finished request is validated and committed at once; `resume=True` skips what the file already holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+
+from specwise import __version__
+from specwise.errors import SpecwiseError
+from specwise.harness.backends import Config, Request
+from specwise.harness.load import Load
+from specwise.harness.store import Record, Store
+from specwise.harness.validate import run_validators
+from specwise.harness.workload import Task, Workload
+
+
+@dataclass
+class Plan:
+    workload: Workload
+    configs: list[Config]
+    loads: list[Load]
+    repeats: int = 1
+    seed: int = 0
+    temperature: float = 0.0
+    model: str | None = None
+    max_tokens_cap: int | None = None  # --quick trims every task's output limit
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.configs]
+        if len(self.configs) < 2:
+            raise SpecwiseError("a comparison needs a baseline and at least one speculative configuration")
+        if len(set(names)) != len(names):
+            raise SpecwiseError(f"configuration names must be unique: {names}")
+        if self.configs[0].drafter is not None:
+            raise SpecwiseError(f"the first configuration ({names[0]!r}) is the baseline: it must have no drafter")
+        if self.repeats < 1:
+            raise SpecwiseError(f"repeats={self.repeats} is not allowed: it must be ≥ 1")
+
+    def max_tokens(self, task: Task) -> int:
+        return min(task.max_tokens, self.max_tokens_cap) if self.max_tokens_cap else task.max_tokens
+
+    def to_meta(self) -> dict:
+        """Everything that defines the comparison (what `--resume` must find unchanged)."""
+        return {
+            "workload": {"name": self.workload.name, "source": self.workload.source,
+                         "tasks": [[t.id, self.max_tokens(t)] for t in self.workload.tasks]},
+            "configs": [c.to_dict() for c in self.configs],
+            "loads": [ld.name for ld in self.loads],
+            "repeats": self.repeats, "seed": self.seed, "temperature": self.temperature, "model": self.model,
+        }
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_meta(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_comparable(per_config: dict[str, dict]) -> None:
+    """Refuse a comparison whose configurations differ in target, prompts, output limits, sampling or hardware."""
+    fields = ("target", "prompts", "max_tokens", "sampling", "hardware")
+    names = list(per_config)
+    for f in fields:
+        values = {n: json.dumps(per_config[n].get(f), sort_keys=True) for n in names}
+        if len(set(values.values())) > 1:
+            detail = "; ".join(f"{n}: {json.loads(v)}" for n, v in values.items())
+            raise SpecwiseError(f"the configurations differ in {f} ({detail}): a paired comparison needs the same "
+                                "target, prompts, output limits, sampling and hardware")
+
+
+def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: bool = True,
+        chunk: int | None = None) -> None:
+    """Measure every (configuration, load, task, repeat) not yet in the store."""
+    meta = plan.to_meta()
+    done = store.done_keys()
+    stored = store.get_meta("plan")
+    if resume:
+        if stored is None:
+            raise SpecwiseError(f"{store.path}: nothing to resume (no run in this file); drop --resume")
+        if stored != meta:
+            diff = sorted(k for k in meta if meta[k] != stored.get(k))
+            raise SpecwiseError(f"{store.path} holds a different run (differs in: {', '.join(diff)}); resume it "
+                                "with the same settings, or write to a new file")
+    elif stored is not None or done:
+        raise SpecwiseError(f"{store.path} already holds a run ({len(done)} requests): pass --resume to continue "
+                            "it, or choose another output file")
+    info = backend.info()
+    per_config = {c.name: {"target": info["target"], "hardware": info["hardware"],
+                           "prompts": [t.id for t in plan.workload.tasks],
+                           "max_tokens": [plan.max_tokens(t) for t in plan.workload.tasks],
+                           "sampling": {"temperature": plan.temperature, "seed": plan.seed}}
+                  for c in plan.configs}
+    check_comparable(per_config)
+    store.set_meta("plan", meta)
+    store.set_meta("fingerprint", plan.fingerprint())
+    store.set_meta("provenance", {**info, "specwise_version": __version__})
+    phases = store.get_meta("phase_seconds") or {}
+    tasks = {t.id: t for t in plan.workload.tasks}
+    todo = [(c, ld, t, r) for ld in plan.loads for r in range(plan.repeats) for t in plan.workload.tasks
+            for c in plan.configs if (c.name, ld.name, t.id, r) not in done]
+    if not todo:
+        return
+    bar = _progress(len(todo), show_progress)
+
+    def on_record(rec: Record) -> None:
+        task = tasks[rec.task_id]
+        if rec.error is None:
+            outcomes = run_validators(rec.output, list(task.validators))
+            rec.validation = [{"name": o.name, "passed": o.passed, "reason": o.reason} for o in outcomes]
+            rec.passed = all(o.passed for o in outcomes)
+        store.add(rec)
+
+    backend.warm_up()
+    flip = False
+    for load in plan.loads:
+        size = chunk or max(4, 2 * int(load.value) if load.kind == "concurrent" else 8)
+        for rep in range(plan.repeats):
+            ordered = plan.workload.tasks
+            for start in range(0, len(ordered), size):
+                part = ordered[start:start + size]
+                configs = plan.configs[::-1] if flip else plan.configs
+                flip = not flip
+                for c in configs:
+                    reqs = [Request(t.id, list(t.groups), rep, plan.seed + 1000 * rep + i + start, t.request,
+                                    plan.max_tokens(t))
+                            for i, t in enumerate(part) if (c.name, load.name, t.id, rep) not in done]
+                    if not reqs:
+                        continue
+                    if bar is not None:
+                        bar.set_description(f"{c.name} {load.name}")
+                    seconds = backend.run(c.name, load, reqs, on_record, bar.update if bar is not None else None)
+                    key = f"{c.name}|{load.name}"
+                    phases[key] = phases.get(key, 0.0) + seconds
+                    store.set_meta("phase_seconds", phases)
+    if bar is not None:
+        bar.close()
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,64 @@
+"""Statistics for paired comparisons: percentiles, summaries, and bootstrap confidence intervals of speedups.
+
+A speedup is baseline time over speculative time (> 1 means faster). Baseline and speculative runs of the same task
+are paired, so the bootstrap resamples tasks, keeping each task's pair together; the statistic is the ratio of the
+mean times (total baseline time over total speculative time), which weighs long requests as users feel them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear interpolation between order statistics; None for no values."""
+    if not len(values):
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """n, mean, p50, p90, p99 of a list of measurements (None where there are none)."""
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    if not len(arr):
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"n": len(arr), "mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate and its confidence interval."""
+
+    value: float
+    lo: float
+    hi: float
+    n: int
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "lo": self.lo, "hi": self.hi, "n": self.n}
+
+
+def speedup_ci(baseline: Sequence[float], speculative: Sequence[float], confidence: float = 0.95,
+               resamples: int = 2000, seed: int = 0) -> Interval | None:
+    """Paired speedup sum(baseline)/sum(speculative) with a percentile-bootstrap interval over tasks."""
+    base = np.asarray(baseline, dtype=float)
+    spec = np.asarray(speculative, dtype=float)
+    if len(base) != len(spec):
+        raise ValueError("paired samples must have the same length")
+    ok = np.isfinite(base) & np.isfinite(spec) & (spec > 0)
+    base, spec = base[ok], spec[ok]
+    if len(base) == 0:
+        return None
+    value = float(base.sum() / spec.sum())
+    if len(base) == 1:
+        return Interval(value, value, value, 1)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(base), size=(resamples, len(base)))  # (R, n): tasks drawn with replacement
+    ratios = base[idx].sum(axis=1) / spec[idx].sum(axis=1)
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
+    return Interval(value, float(lo), float(hi), len(base))

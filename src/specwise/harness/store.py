@@ -1,0 +1,122 @@
+"""Results in SQLite, written as each request completes, so an interrupted run loses at most what was in flight.
+
+One file per run: `meta` holds the schema version, the run's plan (workload, configurations, loads, settings) and
+its provenance; `requests` holds one row per measured request, unique per (config, load, task, repeat) so a
+resumed run skips exactly what is already there.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specwise.errors import SpecwiseError
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+    config TEXT NOT NULL, load TEXT NOT NULL, task_id TEXT NOT NULL, repeat INTEGER NOT NULL,
+    groups TEXT NOT NULL, seed INTEGER, started REAL, finished REAL,
+    output TEXT, prompt_tokens INTEGER, output_tokens INTEGER, finish_reason TEXT,
+    ttft REAL, itl TEXT, e2e REAL, prefill REAL, decode REAL, spec TEXT,
+    error TEXT, validation TEXT, passed INTEGER,
+    PRIMARY KEY (config, load, task_id, repeat)
+);
+"""
+
+
+@dataclass
+class Record:
+    """One measured request, as the client saw it, with the engine's statistics where it reports them."""
+
+    config: str
+    load: str
+    task_id: str
+    repeat: int
+    groups: list[str]
+    seed: int | None = None
+    started: float = 0.0
+    finished: float = 0.0
+    output: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between successive streamed chunks
+    e2e: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+    spec: dict = field(default_factory=dict)  # drafted, accepted, steps, per-position counts, drafting time, …
+    error: str | None = None
+    validation: list[dict] = field(default_factory=list)
+    passed: bool | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.config, self.load, self.task_id, self.repeat)
+
+
+_JSON = ("groups", "itl", "spec", "validation")
+
+
+class Store:
+    """A run's SQLite file."""
+
+    def __init__(self, path: str | Path, create: bool = True):
+        self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise SpecwiseError(f"results file {str(self.path)!r} does not exist")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path))
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.executescript(SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            raise SpecwiseError(f"cannot open results file {str(self.path)!r}: {exc}") from None
+        version = self.get_meta("schema_version")
+        if version is None:
+            self.set_meta("schema_version", SCHEMA_VERSION)
+        elif version != SCHEMA_VERSION:
+            raise SpecwiseError(f"{self.path}: results schema version {version}; this specwise reads version "
+                                f"{SCHEMA_VERSION} (re-run the evaluation, or use the specwise that wrote it)")
+
+    def get_meta(self, key: str):
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def set_meta(self, key: str, value) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def add(self, r: Record) -> None:
+        """Write one record and commit at once."""
+        row = asdict(r)
+        for k in _JSON:
+            row[k] = json.dumps(row[k])
+        row["passed"] = None if r.passed is None else int(r.passed)
+        cols = ", ".join(row)
+        with self.db:
+            self.db.execute(f"INSERT OR REPLACE INTO requests ({cols}) VALUES ({', '.join('?' * len(row))})",
+                            tuple(row.values()))
+
+    def done_keys(self) -> set[tuple[str, str, str, int]]:
+        return set(self.db.execute("SELECT config, load, task_id, repeat FROM requests").fetchall())
+
+    def records(self) -> list[Record]:
+        cur = self.db.execute("SELECT * FROM requests ORDER BY started")
+        names = [d[0] for d in cur.description]
+        out = []
+        for row in cur.fetchall():
+            d = dict(zip(names, row, strict=False))
+            for k in _JSON:
+                d[k] = json.loads(d[k]) if d[k] is not None else ([] if k != "spec" else {})
+            d["passed"] = None if d["passed"] is None else bool(d["passed"])
+            out.append(Record(**d))
+        return out
+
+    def close(self) -> None:
+        self.db.close()

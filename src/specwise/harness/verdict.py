@@ -1,0 +1,130 @@
+"""The adoption verdict: adopt, adopt only below a load threshold, or reject — with the evidence for each clause.
+
+Input is one `Cell` per workload group × load level: the E2E speedup with its confidence interval, validation pass
+rates, error rates and greedy mismatches of baseline and speculative runs. The rule (background article, "A sensible
+adoption rule"):
+
+- reject if speculation loses validated outputs, raises errors, or changes greedy output;
+- adopt if the speedup's lower bound exceeds 1 in every group at every load level measured (a cell with fewer
+  than `min_n` paired tasks never counts as a win: its interval means little);
+- conditional if, for some groups, it wins at every load up to a threshold and not above it: speculation on at or
+  below the threshold (for those groups), off above it;
+- reject otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ADOPT, CONDITIONAL, REJECT = "adopt", "conditional", "reject"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Evidence for one workload group at one load level."""
+
+    group: str
+    load: float  # concurrency, or arrival rate in requests/s
+    speedup: float
+    lo: float
+    hi: float
+    n: int
+    validated_base: float  # share of outputs passing every validator
+    validated_spec: float
+    errors_base: float  # share of requests that failed
+    errors_spec: float
+    mismatches: int = 0  # greedy outputs that differ between baseline and speculative
+
+
+@dataclass(frozen=True)
+class Clause:
+    ok: bool
+    text: str
+
+
+@dataclass
+class Verdict:
+    decision: str
+    threshold: float | None = None
+    groups: list[str] = field(default_factory=list)
+    clauses: list[Clause] = field(default_factory=list)
+    everywhere: bool = False  # conditional on groups only: those groups win at every load measured
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def headline(self, load_name: str = "load") -> str:
+        return headline(self.to_dict(), load_name)
+
+
+def headline(v: dict, load_name: str = "load") -> str:
+    """One line saying what to do, from a verdict (as stored: a dict)."""
+    if v["decision"] == ADOPT:
+        return "ADOPT — speculation pays off in every group at every load measured"
+    if v["decision"] == CONDITIONAL:
+        groups = ", ".join(v["groups"])
+        if v.get("everywhere"):
+            return (f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
+                    f"{v['threshold']:g}); no reliable gain shown for the other groups")
+        return f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {v['threshold']:g}; turn speculation off above it"
+    return "REJECT — speculation does not pay off reliably here"
+
+
+def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance: float = 0.0,
+           load_name: str = "load", min_n: int = 4) -> Verdict:
+    """Apply the adoption rule to the cells; every clause carries the numbers behind it."""
+    if not cells:
+        return Verdict(REJECT, clauses=[Clause(False, "no measurements to judge")])
+    clauses: list[Clause] = []
+    safe = True
+    for c in sorted(cells, key=lambda c: (c.group, c.load)):
+        where = f"{c.group} @ {load_name} {c.load:g}"
+        if c.validated_spec < c.validated_base - validation_tolerance:
+            clauses.append(Clause(False, f"{where}: validation fell from {c.validated_base:.0%} to "
+                                         f"{c.validated_spec:.0%}"))
+            safe = False
+        if c.errors_spec > c.errors_base + error_tolerance:
+            clauses.append(Clause(False, f"{where}: errors rose from {c.errors_base:.1%} to {c.errors_spec:.1%}"))
+            safe = False
+        if c.mismatches:
+            clauses.append(Clause(False, f"{where}: {c.mismatches} greedy output(s) differ from the baseline"))
+            safe = False
+    if safe:
+        clauses.append(Clause(True, "validation, errors and greedy outputs: no loss in any group at any load"))
+    loads = sorted({c.load for c in cells})
+    groups = sorted({c.group for c in cells})
+    wins = {(c.group, c.load): c.lo > 1.0 and c.n >= min_n for c in cells}
+    for c in sorted(cells, key=lambda c: (c.group, c.load)):
+        verb = "wins" if c.lo > 1 else ("loses" if c.hi < 1 else "no clear difference")
+        if c.n < min_n:
+            verb += f", but too few paired tasks to count (n={c.n} < {min_n})"
+        clauses.append(Clause(wins[(c.group, c.load)], f"{c.group} @ {load_name} {c.load:g}: E2E speedup "
+                                                        f"{c.speedup:.2f}x [95% CI {c.lo:.2f}–{c.hi:.2f}, n={c.n}] — "
+                                                        f"{verb}"))
+    if not safe:
+        return Verdict(REJECT, clauses=clauses)
+    if all(wins.values()):
+        return Verdict(ADOPT, clauses=clauses)
+    # Conditional: the largest load up to which a group wins at every level, if it stops winning above it.
+    thresholds = {}
+    for g in groups:
+        upto = None
+        for load in loads:
+            if wins.get((g, load), False):
+                upto = load
+            else:
+                break
+        if upto is not None and upto < loads[-1]:
+            thresholds[g] = upto
+        elif upto == loads[-1]:
+            thresholds[g] = upto  # wins everywhere in this group
+    winners = sorted(thresholds)
+    if winners and any(thresholds[g] < loads[-1] for g in winners):
+        threshold = min(thresholds[g] for g in winners)
+        clauses.append(Clause(True, f"threshold: speculation wins for {', '.join(winners)} up to {load_name} "
+                                    f"{threshold:g} and not at every level above"))
+        return Verdict(CONDITIONAL, threshold, winners, clauses)
+    if winners:  # some groups win everywhere, others never: adopt for those groups only
+        clauses.append(Clause(True, f"speculation wins at every load for {', '.join(winners)} only"))
+        return Verdict(CONDITIONAL, loads[-1], winners, clauses, everywhere=True)
+    return Verdict(REJECT, clauses=clauses)

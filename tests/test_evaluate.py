@@ -1,0 +1,186 @@
+"""`specwise evaluate`, `report` and `compare` end to end on a tiny model: resume after a kill, the report in a real
+browser, bad input refused before measuring, and revision flags."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_tiny_model
+
+from specwise.harness.report import load_run
+from specwise.harness.store import Store
+
+
+@pytest.fixture(scope="module")
+def long_ctx_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("evalmodel") / "m", max_pos=2048)
+
+
+def cli(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "specwise.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quick_run(long_ctx_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    proc = cli("evaluate", "--model", long_ctx_model, "--quick", "--out", out, "--no-progress")
+    return out, proc
+
+
+def test_quick_run_writes_every_request_and_a_verdict(quick_run):
+    out, proc = quick_run
+    run = load_run(out / "run.db")
+    assert len(run["records"]) == 4 * 2 * 2  # tasks × configurations × loads
+    assert {r.config for r in run["records"]} == {"baseline", "ngram k=auto"}
+    decision = run["analysis"]["verdicts"]["ngram k=auto"]["concurrent"]["decision"]
+    assert f"VERDICT for ngram k=auto (concurrency): {decision.upper()}" in proc.stdout
+    assert (out / "report.html").exists()
+    prov = run["provenance"]
+    assert len(prov["target"]["sha256"]) == 64 and prov["hardware"]["cpu_threads"] >= 1
+    assert prov["specwise_version"] and run["fingerprint"]
+
+
+def test_greedy_outputs_are_compared_between_configurations(quick_run):
+    run = load_run(quick_run[0] / "run.db")
+    by_key = {}
+    for r in run["records"]:
+        by_key.setdefault((r.load, r.task_id), {})[r.config] = r.output
+    differing = {k for k, v in by_key.items() if len(set(v.values())) > 1}
+    reported = {(c["load"], t) for c in run["analysis"]["comparisons"] for t in c["mismatches"]}
+    assert reported == differing
+
+
+def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path):
+    out = quick_run[0]
+    proc = cli("report", out / "run.db", "--html", tmp_path / "r.html", "--json", tmp_path / "r.json",
+               "--csv", tmp_path / "r.csv")
+    assert "VERDICT" in proc.stdout
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    url = (tmp_path / "r.html").as_uri()
+    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for plot in ("speedup", "latency_vs_load", "acceptance_histogram", "acceptance_by_position", "ttft_vs_e2e"):
+        assert f'data-plot="{plot}"' in dom.stdout, plot
+    assert dom.stdout.count("<svg") >= 5 and 'class="verdict' in dom.stdout
+    shot = tmp_path / "report.png"
+    subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", url],
+                   capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert len(data["records"]) == 16 and data["analysis"]["verdicts"]
+    assert len((tmp_path / "r.csv").read_text().splitlines()) == 17
+
+
+def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, tmp_path):
+    args = [sys.executable, "-m", "specwise.cli", "evaluate", "--model", str(long_ctx_model), "--tasks", "10",
+            "--concurrency", "1", "--max-tokens", "48", "--out", str(tmp_path), "--no-progress"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    db = tmp_path / "run.db"
+    deadline = time.time() + 300
+    count = 0
+    while time.time() < deadline and proc.poll() is None:
+        if db.exists():
+            try:
+                count = sqlite3.connect(db).execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+            except sqlite3.Error:
+                count = 0
+            if count >= 4:
+                break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {tuple(r) for r in sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests")}
+    assert 4 <= len(before) < 20
+    again = cli("evaluate", "--model", long_ctx_model, "--tasks", 10, "--concurrency", 1, "--max-tokens", 48,
+                "--out", tmp_path, "--no-progress", check=False)
+    assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix into an existing run
+    cli("evaluate", "--model", long_ctx_model, "--tasks", 10, "--concurrency", 1, "--max-tokens", 48,
+        "--out", tmp_path, "--no-progress", "--resume")
+    rows = sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests").fetchall()
+    assert len(rows) == len(set(rows)) == 20  # 10 tasks × 2 configurations, each once
+    assert before <= set(rows)
+    differs = cli("evaluate", "--model", long_ctx_model, "--tasks", 9, "--concurrency", 1, "--max-tokens", 48,
+                  "--out", tmp_path, "--no-progress", "--resume", check=False)
+    assert differs.returncode == 2 and "differs in: workload" in differs.stderr
+
+
+def test_compare_flags_a_different_target_revision(quick_run, tmp_path):
+    src = quick_run[0] / "run.db"
+    other = tmp_path / "other.db"
+    other.write_bytes(src.read_bytes())
+    same = cli("compare", src, other, check=False)
+    assert same.returncode == 0 and "same target" in same.stdout
+    store = Store(other)
+    prov = store.get_meta("provenance")
+    prov["target"]["sha256"] = "0" * 64
+    store.set_meta("provenance", prov)
+    store.close()
+    flagged = cli("compare", src, other, check=False)
+    assert flagged.returncode == 1 and "FLAG: target revision differs" in flagged.stdout
+
+
+def bad_workload(tmp_path, text):
+    p = tmp_path / "w.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("make_args, needle", [
+    (lambda t: ["--workload", bad_workload(t, "tasks:\n  - {id: a, max_tokens: 3}")], "give exactly one of"),
+    (lambda t: ["--workload", bad_workload(t, "tasks:\n  - {id: a, prompt: x, max_tokens: 3, validators: "
+                                              "[{type: vibes}]}")], "unknown validator 'vibes'"),
+    (lambda t: ["--workload", bad_workload(t, "tasks: []")], "non-empty list"),
+    (lambda t: ["--drafter", "magic"], "unknown drafter 'magic'"),
+    (lambda t: ["--concurrency", "0"], "--concurrency '0' is not allowed"),
+    (lambda t: ["--rate", "-1"], "--rate '-1' is not allowed"),
+    (lambda t: ["--out", "/proc/specwise-cannot-write-here"], "not writable"),
+    (lambda t: ["--tasks", "-3"], "--tasks -3"),
+])
+def test_bad_evaluate_input_is_refused_before_measuring(tmp_path, make_args, needle):
+    start = time.time()
+    proc = cli("evaluate", "--model", "/no/model/needed/yet", *make_args(tmp_path), check=False)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert time.time() - start < 60
+
+
+def test_results_file_of_another_schema_version_is_refused(tmp_path):
+    db = tmp_path / "run.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    con.execute("INSERT INTO meta VALUES ('schema_version', '99')")
+    con.commit()
+    con.close()
+    proc = cli("report", db, check=False)
+    assert proc.returncode == 2 and "schema version 99" in proc.stderr
+    proc = cli("evaluate", "--model", "/unused", "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and "schema version 99" in proc.stderr
+
+
+def test_report_of_a_missing_file():
+    proc = cli("report", "/no/such/run.db", check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+@pytest.mark.embedded
+def test_evaluate_quick_on_the_embedded_model(tmp_path):
+    proc = cli("evaluate", "--quick", "--out", tmp_path, "--no-progress", timeout=900)
+    run = load_run(tmp_path / "run.db")
+    assert len(run["records"]) == 16 and all(r.error is None for r in run["records"])
+    verdict = run["analysis"]["verdicts"]["ngram k=auto"]["concurrent"]
+    assert f"VERDICT for ngram k=auto (concurrency): {verdict['decision'].upper()}" in proc.stdout
+    assert all(c["text"] in proc.stdout for c in verdict["clauses"])
+    assert (tmp_path / "report.html").read_text().count("<svg") >= 5
+    assert Path(run["provenance"]["target"]["path"]).suffix == ".gguf"

@@ -1,0 +1,91 @@
+"""Statistics with known answers, and the verdict on hand-made result tables."""
+
+import numpy as np
+import pytest
+
+from specwise.harness.stats import percentile, speedup_ci, summarize
+from specwise.harness.verdict import ADOPT, CONDITIONAL, REJECT, Cell, decide
+
+
+def test_percentiles_of_known_data():
+    values = list(range(1, 101))  # 1..100
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([], 50) is None
+    s = summarize([2.0, 4.0, None])
+    assert s["n"] == 2 and s["mean"] == 3.0 and s["p50"] == 3.0
+
+
+def test_speedup_point_estimate_is_ratio_of_totals():
+    iv = speedup_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert iv.value == pytest.approx(2.0) and iv.lo == pytest.approx(2.0) and iv.hi == pytest.approx(2.0)
+
+
+def test_bootstrap_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    rng = np.random.default_rng(1)
+    true_ratio, covered, trials = 1.5, 0, 200
+    for t in range(trials):
+        base = rng.lognormal(0.0, 0.5, size=40)  # task lengths vary
+        spec = base / true_ratio * rng.lognormal(0.0, 0.15, size=40) / np.exp(0.15**2 / 2)  # noisy, unbiased
+        iv = speedup_ci(base, spec, resamples=1000, seed=t)
+        covered += iv.lo <= true_ratio <= iv.hi
+    assert 0.88 <= covered / trials <= 0.99
+
+
+def test_bootstrap_interval_narrows_with_more_tasks():
+    rng = np.random.default_rng(2)
+    widths = []
+    for n in (10, 200):
+        base = rng.lognormal(0, 0.5, n)
+        spec = base * rng.lognormal(0, 0.2, n)
+        iv = speedup_ci(base, spec)
+        widths.append(iv.hi - iv.lo)
+    assert widths[1] < widths[0] / 2
+
+
+def cell(group, load, lo, hi, **kw):
+    base = {"validated_base": 0.9, "validated_spec": 0.9, "errors_base": 0.0, "errors_spec": 0.0, "n": 20}
+    return Cell(group, load, (lo + hi) / 2, lo, hi, **{**base, **kw})
+
+
+def test_verdict_adopt_when_every_cell_wins():
+    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 1.05, 1.2),
+                cell("free", 4, 1.01, 1.1)])
+    assert v.decision == ADOPT
+    assert any("1.10–1.30" in c.text for c in v.clauses)
+
+
+def test_verdict_conditional_names_threshold_and_groups():
+    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 2, 1.1, 1.3), cell("copy", 4, 0.8, 0.95),
+                cell("copy", 8, 0.7, 0.8)], load_name="concurrency")
+    assert v.decision == CONDITIONAL and v.threshold == 2 and v.groups == ["copy"] and not v.everywhere
+    assert "concurrency ≤ 2; turn speculation off above it" in v.headline("concurrency")
+
+
+def test_verdict_conditional_for_the_groups_that_win():
+    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 0.9, 1.05),
+                cell("free", 4, 0.85, 0.95)])
+    assert v.decision == CONDITIONAL and v.groups == ["copy"] and v.everywhere
+    assert "adopt for copy (wins at every load measured" in v.headline()
+
+
+def test_verdict_reject_when_nothing_wins():
+    assert decide([cell("free", 1, 0.9, 1.05), cell("free", 4, 0.8, 0.9)]).decision == REJECT
+
+
+def test_verdict_reject_on_validation_loss_even_when_faster():
+    v = decide([cell("copy", 1, 1.5, 2.0, validated_spec=0.7), cell("copy", 4, 1.4, 1.8)])
+    assert v.decision == REJECT
+    assert any("validation fell from 90% to 70%" in c.text for c in v.clauses)
+
+
+def test_verdict_reject_on_error_rise_or_greedy_mismatch():
+    assert decide([cell("copy", 1, 1.5, 2.0, errors_spec=0.05)]).decision == REJECT
+    assert decide([cell("copy", 1, 1.5, 2.0, mismatches=1)]).decision == REJECT
+
+
+def test_verdict_does_not_count_a_win_on_too_few_tasks():
+    v = decide([cell("copy", 1, 1.3, 1.6, n=2), cell("copy", 4, 1.2, 1.4, n=2)])
+    assert v.decision == REJECT
+    assert any("too few paired tasks" in c.text for c in v.clauses)

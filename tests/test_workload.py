@@ -1,0 +1,74 @@
+"""Workload files: what loads, and what is refused (with the file, the place and what is allowed)."""
+
+import json
+
+import pytest
+
+from specwise.errors import SpecwiseError
+from specwise.harness.workload import load_workload
+
+GOOD = """
+name: demo
+defaults: {max_tokens: 32, groups: [misc]}
+tasks:
+  - id: a
+    prompt: "Say hi"
+  - id: b
+    messages: [{role: user, content: "Say bye"}]
+    max_tokens: 8
+    groups: [chat]
+    validators: [{type: length, max: 20}]
+"""
+
+
+def write(tmp_path, text, name="w.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_yaml_workload_loads_with_defaults(tmp_path):
+    w = load_workload(write(tmp_path, GOOD))
+    assert w.name == "demo" and [t.id for t in w.tasks] == ["a", "b"]
+    assert w.tasks[0].max_tokens == 32 and w.tasks[0].groups == ("misc",)
+    assert w.tasks[1].request == [{"role": "user", "content": "Say bye"}] and w.groups == ["chat", "misc"]
+
+
+def test_jsonl_workload_loads(tmp_path):
+    lines = [json.dumps({"id": f"t{i}", "prompt": f"p{i}", "max_tokens": 4}) for i in range(3)]
+    w = load_workload(write(tmp_path, "\n".join(lines), "tasks.jsonl"))
+    assert w.name == "tasks" and len(w.tasks) == 3
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("tasks: []", "'tasks' must be a non-empty list"),
+    ("tasks:\n  - {prompt: hi, max_tokens: 3}", "tasks[0]: field 'id' is missing"),
+    ("tasks:\n  - {id: a, max_tokens: 3}", "tasks[0] ('a'): give exactly one of 'prompt'"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: ten}", "'max_tokens' must be a whole number ≥ 1, got 'ten'"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 0}", "got 0"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, groups: x}", "'groups' must be a list"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, validators: [{type: magic}]}", "unknown validator 'magic'"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, colour: red}", "unknown field(s) ['colour']"),
+    ("tasks:\n  - {id: a, messages: [{role: robot, content: x}], max_tokens: 3}", "role: system|user|assistant"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\n  - {id: a, prompt: yo, max_tokens: 3}", "repeated: ['a']"),
+    ("tasks: [", "not valid YAML"),
+    ("- 1\n- 2", "top level must be a mapping"),
+    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\nextra: 1", "unknown top-level field(s) ['extra']"),
+])
+def test_bad_workloads_are_refused_with_the_place(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecwiseError) as err:
+        load_workload(path)
+    assert needle in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_file_and_wrong_suffix(tmp_path):
+    with pytest.raises(SpecwiseError, match="does not exist"):
+        load_workload(tmp_path / "nope.yaml")
+    with pytest.raises(SpecwiseError, match=r"\.yaml, \.yml or \.jsonl"):
+        load_workload(write(tmp_path, "x", "w.txt"))
+
+
+def test_bad_jsonl_line_names_the_line(tmp_path):
+    with pytest.raises(SpecwiseError, match=r"tasks.jsonl:2: not valid JSON"):
+        load_workload(write(tmp_path, '{"id": "a", "prompt": "p", "max_tokens": 1}\n{oops', "tasks.jsonl"))
