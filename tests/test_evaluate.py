@@ -184,3 +184,14 @@ def test_evaluate_quick_on_the_embedded_model(tmp_path):
     assert all(c["text"] in proc.stdout for c in verdict["clauses"])
     assert (tmp_path / "report.html").read_text().count("<svg") >= 5
     assert Path(run["provenance"]["target"]["path"]).suffix == ".gguf"
+
+
+def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
+    cli("evaluate", "--model", long_ctx_model, "--tasks", 4, "--rate", "4", "--max-tokens", 16, "--temperature",
+        "0.8", "--out", tmp_path, "--no-progress")
+    run = load_run(tmp_path / "run.db")
+    assert {r.load for r in run["records"]} == {"poisson@4"} and len(run["records"]) == 8
+    comp = run["analysis"]["comparisons"]
+    assert comp and all(c["output_length_ks"] is not None and c["mismatches"] == [] for c in comp)
+    assert "rate" in " ".join(cl["text"] for v in run["analysis"]["verdicts"]["ngram k=auto"].values()
+                              for cl in v["clauses"])

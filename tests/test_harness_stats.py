@@ -89,3 +89,30 @@ def test_verdict_does_not_count_a_win_on_too_few_tasks():
     v = decide([cell("copy", 1, 1.3, 1.6, n=2), cell("copy", 4, 1.2, 1.4, n=2)])
     assert v.decision == REJECT
     assert any("too few paired tasks" in c.text for c in v.clauses)
+
+
+def test_ks_tells_same_from_shifted_distributions():
+    from specwise.harness.stats import ks_two_sample
+
+    rng = np.random.default_rng(3)
+    same = ks_two_sample(rng.normal(100, 20, 300), rng.normal(100, 20, 300))
+    doubled = ks_two_sample(rng.normal(100, 20, 300), rng.normal(200, 40, 300))
+    assert same["p"] > 0.01 and doubled["p"] < 1e-6 and doubled["d"] > 0.8
+
+
+def test_verdict_reject_when_sampled_output_lengths_shift():
+    v = decide([cell("copy", 1, 1.5, 2.0, length_p=1e-5)])
+    assert v.decision == REJECT and any("output lengths differ" in c.text for c in v.clauses)
+
+
+def test_runner_refuses_configurations_that_differ():
+    from specwise.errors import SpecwiseError
+    from specwise.harness.runner import check_comparable
+
+    same = {"target": {"sha256": "a"}, "hardware": {"cpu": "x"}, "prompts": ["t1"], "max_tokens": [8],
+            "sampling": {"temperature": 0}}
+    check_comparable({"baseline": same, "spec": dict(same)})
+    with pytest.raises(SpecwiseError, match=r"differ in max_tokens .*baseline: \[8\]; spec: \[16\]"):
+        check_comparable({"baseline": same, "spec": {**same, "max_tokens": [16]}})
+    with pytest.raises(SpecwiseError, match="differ in target"):
+        check_comparable({"baseline": same, "spec": {**same, "target": {"sha256": "b"}}})

@@ -72,3 +72,13 @@ def test_missing_file_and_wrong_suffix(tmp_path):
 def test_bad_jsonl_line_names_the_line(tmp_path):
     with pytest.raises(SpecwiseError, match=r"tasks.jsonl:2: not valid JSON"):
         load_workload(write(tmp_path, '{"id": "a", "prompt": "p", "max_tokens": 1}\n{oops', "tasks.jsonl"))
+
+
+def test_stratified_subset_balances_every_group():
+    from specwise.harness.evaluate import stratified
+    from specwise.harness.workload import builtin_workload
+
+    sub = stratified(builtin_workload(), 12)
+    counts = {g: sum(g in t.groups for t in sub.tasks) for g in sub.groups}
+    assert len(sub.tasks) == 12 and set(counts) == set(builtin_workload().groups)
+    assert counts == {g: 6 for g in counts}  # three binary tags, 12 tasks: six of each side

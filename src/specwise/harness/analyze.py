@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 
 from specwise.harness.load import parse_load
-from specwise.harness.stats import speedup_ci, summarize
+from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
 from specwise.harness.store import Record
 from specwise.harness.verdict import Cell, decide
 
@@ -91,17 +91,22 @@ def analyze(records: list[Record], plan: dict, phase_seconds: dict) -> dict:
                 e2e = speedup_ci([b.e2e for b, _ in pairs], [x.e2e for _, x in pairs])
                 dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
                 mismatches = [b.task_id for b, x in pairs if b.output != x.output] if greedy else []
+                # Sampled runs cannot match token for token: compare the distributions instead.
+                lengths = None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs],
+                                                            [x.output_tokens for _, x in pairs])
                 bstats, sstats = config_stats(list(base.values()), None), config_stats(list(spec.values()), None)
                 comparisons.append({
                     "config": s, "load": ld, "group": g, "n": len(pairs), "e2e_speedup": e2e.to_dict(),
                     "decode_speedup": dec.to_dict() if dec else None, "mismatches": mismatches,
+                    "output_length_ks": lengths,
                     "validation_base": bstats["validation_rate"], "validation_spec": sstats["validation_rate"],
                     "errors_base": bstats["error_rate"], "errors_spec": sstats["error_rate"],
                     "ttft_p50_base": bstats["ttft"]["p50"], "ttft_p50_spec": sstats["ttft"]["p50"],
                 })
                 cells_by_kind[load.kind].append(Cell(
                     g, load.value, e2e.value, e2e.lo, e2e.hi, e2e.n, bstats["validation_rate"],
-                    sstats["validation_rate"], bstats["error_rate"], sstats["error_rate"], len(mismatches)))
+                    sstats["validation_rate"], bstats["error_rate"], sstats["error_rate"], len(mismatches),
+                    lengths["p"] if lengths else None))
         verdicts[s] = {kind: decide(cells, load_name="concurrency" if kind == "concurrent" else "rate").to_dict()
                        for kind, cells in cells_by_kind.items()}
     return {"baseline": baseline, "configs": configs, "loads": loads, "groups": sorted(groups), "table": table,

@@ -24,18 +24,19 @@ DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
 
 
 def stratified(workload: Workload, n: int) -> Workload:
-    """n tasks covering every combination of group tags in turn (round-robin over combinations)."""
+    """n tasks with every group tag as evenly represented as the workload allows: each pick is the task whose tags
+    have been picked least so far (ties in file order)."""
     if n <= 0 or n >= len(workload.tasks):
         return workload
-    by_combo: dict[tuple[str, ...], list] = {}
-    for t in workload.tasks:
-        by_combo.setdefault(tuple(sorted(t.groups)), []).append(t)
-    combos = sorted(by_combo)
-    picked = []
+    left, picked = list(workload.tasks), []
+    counts: dict[str, int] = {}
     while len(picked) < n:
-        for c in combos:
-            if by_combo[c] and len(picked) < n:
-                picked.append(by_combo[c].pop(0))
+        best = min(left, key=lambda t: (sum(counts.get(g, 0) for g in t.groups),
+                                        max(counts.get(g, 0) for g in t.groups)))
+        left.remove(best)
+        picked.append(best)
+        for g in best.groups:
+            counts[g] = counts.get(g, 0) + 1
     return Workload(workload.name, picked, workload.description, workload.source)
 
 

@@ -4,7 +4,8 @@ Input is one `Cell` per workload group × load level: the E2E speedup with its c
 rates, error rates and greedy mismatches of baseline and speculative runs. The rule (background article, "A sensible
 adoption rule"):
 
-- reject if speculation loses validated outputs, raises errors, or changes greedy output;
+- reject if speculation loses validated outputs, raises errors, changes greedy output, or (sampling) shifts the
+  distribution of output lengths;
 - adopt if the speedup's lower bound exceeds 1 in every group at every load level measured (a cell with fewer
   than `min_n` paired tasks never counts as a win: its interval means little);
 - conditional if, for some groups, it wins at every load up to a threshold and not above it: speculation on at or
@@ -34,6 +35,7 @@ class Cell:
     errors_base: float  # share of requests that failed
     errors_spec: float
     mismatches: int = 0  # greedy outputs that differ between baseline and speculative
+    length_p: float | None = None  # sampled runs: KS p-value that output lengths share one distribution
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
             safe = False
         if c.mismatches:
             clauses.append(Clause(False, f"{where}: {c.mismatches} greedy output(s) differ from the baseline"))
+            safe = False
+        if c.length_p is not None and c.length_p < 0.01:
+            clauses.append(Clause(False, f"{where}: output lengths differ in distribution (KS p={c.length_p:.3g})"))
             safe = False
     if safe:
         clauses.append(Clause(True, "validation, errors and greedy outputs: no loss in any group at any load"))

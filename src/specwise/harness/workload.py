@@ -165,7 +165,7 @@ def builtin_workload(name: str = "release-notes") -> Workload:
                           messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": summary}),
                           validators=(*base, {"type": "nothing_invented", "source": source},
                                       {"type": "length", "max": 160})))
-        tasks.append(Task(f"{ns['id']}/draft", (ns["familiarity"], size, "draft"), min(64 + 28 * len(items), 256),
+        tasks.append(Task(f"{ns['id']}/draft", (ns["familiarity"], size, "draft"), min(48 + 20 * len(items), 192),
                           messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": draft}),
                           validators=({"type": "headings",
                                        "required": [f"## Release {version}", "### Summary", "### Changes"]},
