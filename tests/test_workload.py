@@ -82,3 +82,8 @@ def test_stratified_subset_balances_every_group():
     counts = {g: sum(g in t.groups for t in sub.tasks) for g in sub.groups}
     assert len(sub.tasks) == 12 and set(counts) == set(builtin_workload().groups)
     assert counts == {g: 6 for g in counts}  # three binary tags, 12 tasks: six of each side
+    combos = {tuple(sorted(t.groups)) for t in sub.tasks}
+    assert len(combos) == 8  # every combination of familiarity × input size × output kind
+    familiar = {t.id for t in sub.tasks if "familiar" in t.groups}
+    short = {t.id for t in sub.tasks if "short-input" in t.groups}
+    assert familiar != short  # tags do not coincide, so their groups measure different things

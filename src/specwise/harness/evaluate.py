@@ -24,17 +24,20 @@ DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
 
 
 def stratified(workload: Workload, n: int) -> Workload:
-    """n tasks with every group tag as evenly represented as the workload allows: each pick is the task whose tags
-    have been picked least so far (ties in file order)."""
+    """n tasks spread over the workload: each pick takes the task whose combination of group tags, then whose tags
+    one by one, have been picked least so far (ties in file order) — so tags stay balanced and do not go together."""
     if n <= 0 or n >= len(workload.tasks):
         return workload
     left, picked = list(workload.tasks), []
     counts: dict[str, int] = {}
+    combos: dict[tuple[str, ...], int] = {}
     while len(picked) < n:
-        best = min(left, key=lambda t: (sum(counts.get(g, 0) for g in t.groups),
+        best = min(left, key=lambda t: (combos.get(tuple(sorted(t.groups)), 0),
+                                        sum(counts.get(g, 0) for g in t.groups),
                                         max(counts.get(g, 0) for g in t.groups)))
         left.remove(best)
         picked.append(best)
+        combos[tuple(sorted(best.groups))] = combos.get(tuple(sorted(best.groups)), 0) + 1
         for g in best.groups:
             counts[g] = counts.get(g, 0) + 1
     return Workload(workload.name, picked, workload.description, workload.source)
