@@ -116,3 +116,13 @@ def test_runner_refuses_configurations_that_differ():
         check_comparable({"baseline": same, "spec": {**same, "max_tokens": [16]}})
     with pytest.raises(SpecwiseError, match="differ in target"):
         check_comparable({"baseline": same, "spec": {**same, "target": {"sha256": "b"}}})
+
+
+def test_poisson_arrivals_are_seeded_and_average_the_rate():
+    from specwise.harness.load import parse_load
+
+    load = parse_load("poisson@2")
+    a, b = load.arrivals(4000, seed=7), load.arrivals(4000, seed=7)
+    assert a == b and a[0] == 0.0
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.5, rel=0.05) and (gaps > 0).all()

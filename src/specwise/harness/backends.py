@@ -13,6 +13,7 @@ import itertools
 import os
 import platform
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,8 +103,8 @@ class EngineBackend:
 
         engine = self.engines[config]
         pending = list(requests)
-        arrivals = load.arrivals(len(pending), seed=hash((config, load.name)) & 0xFFFF) \
-            if load.kind == "poisson" else None
+        # The same arrival schedule for every configuration (a paired comparison), and for every run of the plan.
+        arrivals = load.arrivals(len(pending), seed=zlib.crc32(load.name.encode())) if load.kind == "poisson" else None
         live: dict[str, tuple[Request, float, list[float]]] = {}  # request id → (request, submitted, chunk times)
         start = time.perf_counter()
         submitted = 0
