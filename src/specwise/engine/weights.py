@@ -111,6 +111,14 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def device_info(device: torch.device) -> dict:
+    """What the harness records about where the model ran: device, accelerator name, torch and its threads."""
+    info = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
 def load_target(path: str | Path | None = None, device: str | None = "cpu", dtype: str = "float32",
                 max_len: int | None = None) -> LoadedModel:
     """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct)."""

@@ -69,14 +69,10 @@ class EngineBackend:
 
     def info(self) -> dict:
         """Provenance: target identity, each configuration's drafter and its extra resources, hardware."""
-        import torch
+        from specwise.engine.weights import device_info
 
-        hw = hardware()
-        hw["torch_threads"] = torch.get_num_threads()
         dev = self.target.device
-        hw["device"] = str(dev)
-        if dev.type == "cuda":
-            hw["gpu"] = torch.cuda.get_device_name(dev)
+        hw = {**hardware(), **device_info(dev)}
         configs = {}
         for name, e in self.engines.items():
             d = e.drafter
