@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -239,6 +240,7 @@ def convert_gguf(path: Path, digest: str) -> Path:
     if (target / "specwise.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"specwise: converting {path.name} once (about 20 s here); cached in {target}", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     tmp.chmod(0o755)
     try:
