@@ -195,3 +195,31 @@ def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
     assert comp and all(c["output_length_ks"] is not None and c["mismatches"] == [] for c in comp)
     assert "rate" in " ".join(cl["text"] for v in run["analysis"]["verdicts"]["ngram k=auto"].values()
                               for cl in v["clauses"])
+
+
+def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
+    cfg = tmp_path / "configs.yaml"
+    cfg.write_text("configs:\n  - {name: base}\n  - {name: ngram-2, drafter: ngram, k: 2}\n"
+                   "  - {name: skip, drafter: 'layerskip:1', k: auto}\n")
+    cli("evaluate", "--model", long_ctx_model, "--config", cfg, "--tasks", 4, "--concurrency", 1, "--max-tokens", 16,
+        "--out", tmp_path / "out", "--no-progress")
+    run = load_run(tmp_path / "out" / "run.db")
+    assert run["analysis"]["configs"] == ["base", "ngram-2", "skip"]
+    assert set(run["analysis"]["verdicts"]) == {"ngram-2", "skip"}
+    assert len(run["records"]) == 4 * 3
+    assert run["provenance"]["configs"]["skip"]["draft_identity"]["derived_from"] == run["provenance"]["target"][
+        "sha256"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("configs:\n  - {name: base}\n  - {name: x, drafter: turbo}", "configs[1]: unknown drafter 'turbo'"),
+    ("configs:\n  - {name: base}", "a baseline and at least one speculative"),
+    ("configs:\n  - {name: base}\n  - {name: x, drafter: ngram, colour: red}", "configs[1] must be a mapping"),
+    ("configs:\n  - {name: x, drafter: ngram}\n  - {name: base}", "is the baseline: it must have no drafter"),
+    ("configs:\n  - {name: a}\n  - {name: a, drafter: ngram}", "names must be unique"),
+])
+def test_bad_configuration_files_are_refused(tmp_path, text, needle):
+    cfg = tmp_path / "configs.yaml"
+    cfg.write_text(text)
+    proc = cli("evaluate", "--model", "/unused", "--config", cfg, "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
