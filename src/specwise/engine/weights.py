@@ -80,21 +80,30 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def directory_sha256(directory: Path) -> str:
-    """Hash of config.json and every weight file, memoised by (size, mtime) in the cache."""
-    files = sorted([directory / "config.json", *directory.glob("*.safetensors")])
+def _memoised(files: list[Path], compute) -> str:
+    """compute(), remembered in the cache per (path, size, mtime) of `files`: weights are not re-read every load."""
     key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     memo = cache_root() / "hashes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".txt")
     if memo.exists():
         return memo.read_text().strip()
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(file_sha256(f).encode())
-    digest = h.hexdigest()
+    digest = compute()
     memo.parent.mkdir(parents=True, exist_ok=True)
     memo.write_text(digest)
     return digest
+
+
+def directory_sha256(directory: Path) -> str:
+    """Hash of config.json and every weight file."""
+    files = sorted([directory / "config.json", *directory.glob("*.safetensors")])
+
+    def compute() -> str:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode())
+            h.update(file_sha256(f).encode())
+        return h.hexdigest()
+
+    return _memoised(files, compute)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -132,7 +141,7 @@ def load_target(path: str | Path | None = None, device: str | None = "cpu", dtyp
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise SpecwiseError(f"{source}: a model file must be .gguf (or give an HF directory with config.json)")
-        digest = file_sha256(source)
+        digest = _memoised([source], lambda: file_sha256(source))
         directory = convert_gguf(source, digest)
     else:
         if not (source / "config.json").exists():

@@ -16,7 +16,7 @@ import yaml
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import Config
 from specwise.harness.load import loads_from_flags
-from specwise.harness.runner import Plan, run
+from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import Workload, builtin_workload, load_workload
 
@@ -107,9 +107,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_output_dir(out)
     store = Store(out / "run.db")
-    if not args.resume and (store.get_meta("plan") is not None or store.done_keys()):
-        raise SpecwiseError(f"{out / 'run.db'} already holds a run: pass --resume to continue it, or choose "
-                            "another --out")
+    check_store(plan, store, args.resume)  # before the model loads
     max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
     print(f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
           f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}", file=sys.stderr)

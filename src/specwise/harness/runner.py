@@ -73,12 +73,9 @@ def check_comparable(per_config: dict[str, dict]) -> None:
                                 "target, prompts, output limits, sampling and hardware")
 
 
-def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: bool = True,
-        chunk: int | None = None) -> None:
-    """Measure every (configuration, load, task, repeat) not yet in the store."""
-    meta = plan.to_meta()
-    done = store.done_keys()
-    stored = store.get_meta("plan")
+def check_store(plan: Plan, store: Store, resume: bool) -> None:
+    """Refuse to mix into a file that holds another run, or to resume one that is not there or differs."""
+    meta, done, stored = plan.to_meta(), store.done_keys(), store.get_meta("plan")
     if resume:
         if stored is None:
             raise SpecwiseError(f"{store.path}: nothing to resume (no run in this file); drop --resume")
@@ -89,6 +86,14 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
     elif stored is not None or done:
         raise SpecwiseError(f"{store.path} already holds a run ({len(done)} requests): pass --resume to continue "
                             "it, or choose another output file")
+
+
+def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: bool = True,
+        chunk: int | None = None) -> None:
+    """Measure every (configuration, load, task, repeat) not yet in the store."""
+    check_store(plan, store, resume)
+    meta = plan.to_meta()
+    done = store.done_keys()
     info = backend.info()
     per_config = {c.name: {"target": info["target"], "hardware": info["hardware"],
                            "prompts": [t.id for t in plan.workload.tasks],
