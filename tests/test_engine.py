@@ -129,12 +129,12 @@ class FrozenCosts(CostModel):
     def __init__(self):
         super().__init__()
         self.verify = {t: 1.0 + 0.1 * (t - 1) for t in range(1, 18)}
-        self.draft_per_token = 0.001
+        self.draft_per_token = {None: 0.001}
 
-    def observe_verify(self, tokens_per_row, seconds):
+    def observe_verify(self, tokens_per_row, seconds, rows=1):
         pass
 
-    def observe_draft(self, tokens, seconds):
+    def observe_draft(self, tokens, seconds, drafter=None):
         pass
 
 

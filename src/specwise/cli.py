@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specwise import __version__
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("evaluate", help="measure baseline against speculative configurations and give a verdict")
     ev.add_argument("--workload", help="YAML/JSONL workload file (default: the built-in release-note workload)")
-    ev.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    ev.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
+                                    "with --endpoint, the served model's name")
     ev.add_argument("--config", help="YAML file with `configs: [{name, drafter, k}, …]` (the first is the baseline)")
     ev.add_argument("--drafter", action="append", help="a speculative configuration's drafter (repeatable; default "
                                                         "ngram)")
@@ -62,8 +64,40 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "./specwise-run)")
     ev.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     ev.add_argument("--device", default="cpu")
+    ev.add_argument("--endpoint", help="measure an OpenAI-compatible server at this URL instead of the in-process "
+                                       "engine (e.g. http://127.0.0.1:8000)")
+    ev.add_argument("--launch", action="append", help="with --endpoint: the command that starts one "
+                                                      "configuration's server (repeat: baseline first)")
+    ev.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a launched server's "
+                                                                        "/health (default 600)")
+    ev.add_argument("--api-key", default=os.environ.get("SPECWISE_API_KEY"),
+                    help="bearer token for --endpoint (default $SPECWISE_API_KEY)")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
+    srv.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    srv.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
+    srv.add_argument("--drafter", help="default drafter: ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: "
+                                       "none)")
+    srv.add_argument("--drafters", help="more drafters requests may choose, comma-separated (e.g. int8,ngram:2)")
+    srv.add_argument("--k", type=_k, default="auto", help="default draft length 1..16 or 'auto' (default auto)")
+    srv.add_argument("--policy", default="always", choices=["always", "never", "auto"],
+                     help="when steps draft: always, never, or auto (off under load; default always)")
+    srv.add_argument("--policy-threshold", default="4", help="auto: HIGH[:LOW] — drafting stops above HIGH "
+                                                             "running+waiting requests, resumes at LOW (default 4:2)")
+    srv.add_argument("--policy-from", help="take the auto policy's threshold from an evaluation run (run.db)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
+    srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
+    srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    srv.add_argument("--device", default="cpu")
+    srv.add_argument("--dtype", default="float32")
+    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
 
     rep = sub.add_parser("report", help="console summary and HTML/JSON/CSV report of a run")
     rep.add_argument("db", help="a run's results file (run.db)")
@@ -109,6 +143,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from specwise.harness.evaluate import evaluate_from_args
 
     return evaluate_from_args(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specwise.server import serve_from_args
+
+    return serve_from_args(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -21,45 +21,74 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class CostModel:
-    """Measured seconds of one target pass that feeds T tokens per row, and of drafting one token."""
+    """Measured seconds of one target pass that feeds T tokens per row to a batch of B rows, and of drafting a
+    token with each drafter. Adaptive k reads the table of the batch size the engine is running (`rows`)."""
 
     def __init__(self, smoothing: float = 0.2):
-        self.verify: dict[int, float] = {}  # T → exponentially smoothed seconds
-        self.draft_per_token: float | None = None
+        self.tables: dict[int, dict[int, float]] = {}  # rows → T → exponentially smoothed seconds
+        self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token
         self.smoothing = smoothing
+        self.rows = 1  # the batch size of the step being planned
+
+    @property
+    def verify(self) -> dict[int, float]:
+        """The single-row table (what calibration measures)."""
+        return self.tables.setdefault(1, {})
+
+    @verify.setter
+    def verify(self, table: dict[int, float]) -> None:
+        self.tables[1] = dict(table)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe_verify(self, tokens_per_row: int, seconds: float) -> None:
-        self.verify[tokens_per_row] = self._ema(self.verify.get(tokens_per_row), seconds)
+    def observe_verify(self, tokens_per_row: int, seconds: float, rows: int = 1) -> None:
+        table = self.tables.setdefault(rows, {})
+        table[tokens_per_row] = self._ema(table.get(tokens_per_row), seconds)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
+    def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
         if tokens > 0:
-            self.draft_per_token = self._ema(self.draft_per_token, seconds / tokens)
+            self.draft_per_token[drafter] = self._ema(self.draft_per_token.get(drafter), seconds / tokens)
 
-    def verify_cost(self, T: int) -> float | None:
-        """Seconds for a pass of T tokens per row: measured, else interpolated or extrapolated linearly."""
-        if T in self.verify:
-            return self.verify[T]
-        known = sorted(self.verify)
-        if not known:
-            return None
-        lower = [t for t in known if t < T]
-        upper = [t for t in known if t > T]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-        elif len(known) >= 2:
-            a, b = (known[-2], known[-1]) if not upper else (known[0], known[1])
-        else:
-            return self.verify[known[0]]
-        slope = (self.verify[b] - self.verify[a]) / (b - a)
-        return max(self.verify[a] + slope * (T - a), 1e-6)
+    def verify_cost(self, T: int, rows: int | None = None) -> float | None:
+        """Seconds for a pass of T tokens per row at this batch size: measured, else interpolated in T; a batch size
+        with fewer than two measured T borrows the shape of the nearest batch size that has them."""
+        rows = rows or self.rows
+        own = self.tables.get(rows, {})
+        if T in own or len(own) >= 2:
+            return _interpolate(own, T)
+        shaped = [r for r in self.tables if len(self.tables[r]) >= 2]
+        if not shaped:
+            return _interpolate(own, T) if own else (_interpolate(self.verify, T) if self.verify else None)
+        ref = self.tables[min(shaped, key=lambda r: abs(r - rows))]
+        estimate = _interpolate(ref, T)
+        if own:  # scale the borrowed shape to what this batch size measured
+            t0, seconds = next(iter(own.items()))
+            estimate *= seconds / _interpolate(ref, t0)
+        return estimate
 
-    def draft_cost(self, k: int) -> float | None:
+    def draft_cost(self, k: int, drafter: str | None = None) -> float | None:
         if k == 0:
             return 0.0
-        return None if self.draft_per_token is None else k * self.draft_per_token
+        per_token = self.draft_per_token.get(drafter)
+        return None if per_token is None else k * per_token
+
+
+def _interpolate(table: dict[int, float], T: int) -> float:
+    """Seconds at T from a table of T → seconds: exact, interpolated, or extrapolated linearly."""
+    if T in table:
+        return table[T]
+    known = sorted(table)
+    lower = [t for t in known if t < T]
+    upper = [t for t in known if t > T]
+    if lower and upper:
+        a, b = lower[-1], upper[0]
+    elif len(known) >= 2:
+        a, b = (known[-2], known[-1]) if not upper else (known[0], known[1])
+    else:
+        return table[known[0]]
+    slope = (table[b] - table[a]) / (b - a)
+    return max(table[a] + slope * (T - a), 1e-6)
 
 
 class FixedK:
@@ -79,8 +108,9 @@ class AdaptiveK:
     """Per-request k from the online acceptance estimate and the measured costs."""
 
     def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 2, prior_alpha: float = 0.5,
-                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64):
-        self.costs, self.k_max, self.start_k = costs, k_max, start_k
+                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64,
+                 drafter: str | None = None):
+        self.costs, self.k_max, self.start_k, self.drafter = costs, k_max, start_k, drafter
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.successes = 0.0  # decayed count of accepted draft positions
@@ -108,7 +138,7 @@ class AdaptiveK:
             verify = self.costs.verify_cost(k + 1)
             if verify is None:
                 return self.start_k  # no verification cost measured yet: draft a little to measure it
-            draft = self.costs.draft_cost(k) or 0.0  # unmeasured until the first draft: take it as free
+            draft = self.costs.draft_cost(k, self.drafter) or 0.0  # unmeasured until the first draft: take it as free
             rate = expected_tokens(self.alpha, k) / (verify + draft)
             if rate > best_rate:
                 best_k, best_rate = k, rate

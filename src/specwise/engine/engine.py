@@ -72,6 +72,7 @@ class Sequence:
     speculative: bool
     controller: FixedK | AdaptiveK | None
     submitted: float
+    drafter: str | None = None  # which of the engine's drafters proposes for this request
     slot: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
     first_token_at: float = 0.0
@@ -102,16 +103,25 @@ class Engine:
         self.max_batch = max_batch
         cache_len = self.max_len + PAD_MARGIN
         self.cache = self.model.new_cache(max_batch + 1, cache_len)  # the last slot is scratch, for calibration
-        if isinstance(drafter, str):
-            drafter = make_drafter(drafter, target, max_batch, cache_len)
-        self.drafter: Drafter | None = drafter
+        self.cache_len = cache_len
+        self.drafters: dict[str, Drafter] = {}  # every drafter a request may name; the first is the default
+        self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
         self.costs = CostModel()
-        if self.drafter is not None and self.k_spec == "auto":
-            self.calibrate()  # adaptive k needs verification costs from its first step on
+        self.speculate = True  # the server's load policy turns drafting off for whole steps
+        self.last_step_rows: list[tuple[int, int]] = []
+        if self.drafter is not None:
+            self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
         self._ids = itertools.count()
+
+    def add_drafter(self, drafter: str | Drafter) -> Drafter:
+        """Build (from a spec) and register a drafter that requests may choose by name."""
+        if isinstance(drafter, str):
+            drafter = make_drafter(drafter, self.target, self.max_batch, self.cache_len)
+        self.drafters.setdefault(drafter.name, drafter)
+        return self.drafters[drafter.name]
 
     # --- requests -------------------------------------------------------------------------------------------
 
@@ -129,9 +139,12 @@ class Engine:
             raise SpecwiseError("the prompt encodes to no tokens: give some text")
         return ids
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               speculative: bool = True) -> str:
-        """Queue a request; it joins the running batch at the next step with a free slot."""
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                speculative: bool = True, drafter: str | None = None, k: int | str | None = None) -> Sequence:
+        """Check and encode a request without queueing it (safe from another thread than the loop's).
+
+        `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request.
+        """
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         if len(ids) + params.max_new_tokens > self.max_len:
@@ -139,16 +152,31 @@ class Engine:
                 f"the prompt is {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: together they "
                 f"exceed the context of {self.max_len} tokens (shorten the prompt or lower max_new_tokens)"
             )
+        if drafter is not None and drafter not in self.drafters:
+            allowed = ", ".join(self.drafters) or "none (this engine has no drafter)"
+            raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}")
+        k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
         generator, seed = make_generator(params, self.device)
-        use_spec = speculative and self.drafter is not None
+        name = drafter or (self.drafter.name if self.drafter is not None else None)
+        use_spec = speculative and name is not None
         controller = None
         if use_spec:
-            controller = AdaptiveK(self.costs, self.k_max) if self.k_spec == "auto" else FixedK(self.k_spec)
+            controller = AdaptiveK(self.costs, self.k_max, drafter=name) if k_spec == "auto" else FixedK(k_spec)
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, len(ids), params, generator, seed, use_spec,
-                       controller, self._now())
+                       controller, self._now(), drafter=name if use_spec else None)
         seq.stats.prompt_tokens = len(ids)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> str:
+        """Queue a prepared request; it joins the running batch at the next step with a free slot."""
+        seq.submitted = self._now()
         self.waiting.append(seq)
         return seq.request_id
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               speculative: bool = True, drafter: str | None = None, k: int | str | None = None) -> str:
+        """Check, encode and queue a request (see `prepare`)."""
+        return self.enqueue(self.prepare(prompt, params, request_id, speculative, drafter, k))
 
     @property
     def has_work(self) -> bool:
@@ -199,6 +227,7 @@ class Engine:
     def step(self) -> list[StreamEvent]:
         """Admit what fits, then one draft → verify → commit round for every running sequence."""
         events: list[StreamEvent] = []
+        self.last_step_rows: list[tuple[int, int]] = []  # (drafted, accepted) per decoded row, for metrics
         while self.waiting and self.free_slots:
             events.append(self._prefill(self.waiting.popleft()))
         decoding = [s for s in self.running if s.finish_reason is None]
@@ -225,13 +254,23 @@ class Engine:
         return self._commit(seq, [token])
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
+        self.costs.rows = len(seqs)  # verification cost depends on the batch size as well as on k
         ks = [self._draft_len(s) for s in seqs]
-        t0 = self._now()
         drafts = [Draft([]) for _ in seqs]
-        spec = [i for i, k in enumerate(ks) if k > 0]
-        if spec:
-            for i, d in zip(spec, self.drafter.propose([seqs[i] for i in spec], [ks[i] for i in spec]), strict=False):
+        draft_time = [0.0] * len(seqs)
+        by_drafter: dict[str, list[int]] = {}
+        for i, k in enumerate(ks):
+            if k > 0:
+                by_drafter.setdefault(seqs[i].drafter, []).append(i)
+        for name, idx in by_drafter.items():
+            td = self._now()
+            proposed = self.drafters[name].propose([seqs[i] for i in idx], [ks[i] for i in idx])
+            for i, d in zip(idx, proposed, strict=True):
                 drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
+            spent = self._now() - td
+            self.costs.observe_draft(max(ks[i] for i in idx), spent, name)
+            for i in idx:
+                draft_time[i] = spent
         t1 = self._now()
         rows = [[s.token_ids[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=False)]
         T = max(len(r) for r in rows)
@@ -250,18 +289,18 @@ class Engine:
                 verdicts.append(rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params),
                                                  seq.generator))
         t2 = self._now()
-        self.costs.observe_verify(T, t2 - t1)
-        self.costs.observe_draft(max(ks), t1 - t0)
+        self.costs.observe_verify(T, t2 - t1, len(seqs))
         events = []
-        for seq, draft, verdict in zip(seqs, drafts, verdicts, strict=False):
+        for seq, draft, verdict, dt in zip(seqs, drafts, verdicts, draft_time, strict=True):
             if seq.controller is not None:
                 seq.controller.observe(len(draft.tokens), verdict.accepted)
-            seq.stats.observe_step(len(draft.tokens), verdict.accepted, t1 - t0 if draft.tokens else 0.0, t2 - t1)
+            seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
+            self.last_step_rows.append((len(draft.tokens), verdict.accepted))
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
         return events
 
     def _draft_len(self, seq: Sequence) -> int:
-        if seq.controller is None:
+        if seq.controller is None or not self.speculate:
             return 0
         room = min(self.max_len - len(seq.token_ids), seq.params.max_new_tokens - len(seq.output_ids)) - 1
         return max(0, min(seq.controller.choose(), room))
@@ -327,8 +366,8 @@ class Engine:
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
-        if self.drafter is not None:
-            self.drafter.release(seq.slot)
+        for drafter in self.drafters.values():  # a slot's next request may use another drafter
+            drafter.release(seq.slot)
 
     # --- measurement ----------------------------------------------------------------------------------------
 
@@ -343,8 +382,8 @@ class Engine:
                 t0 = self._now()
                 self.model(torch.zeros(1, T, dtype=torch.long, device=self.device),
                            torch.arange(8, 8 + T, device=self.device)[None], self.cache, [scratch])
-                self.costs.observe_verify(T, self._now() - t0)
-        return dict(self.costs.verify)
+                self.costs.observe_verify(T, self._now() - t0, 1)
+        return {T: self.costs.verify_cost(T, 1) for T in sizes}
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -23,14 +23,20 @@ from specwise.harness.store import Record
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration under comparison: a name, a drafter spec (None = baseline) and a draft length."""
+    """One configuration under comparison: a name, a drafter spec (None = baseline) and a draft length. Over HTTP,
+    `options` are extra request-body fields and `launch` the command that starts this configuration's server."""
 
     name: str
     drafter: str | None = None
     k: int | str = "auto"
+    options: dict | None = None
+    launch: str | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "drafter": self.drafter, "k": self.k}
+        d = {"name": self.name, "drafter": self.drafter, "k": self.k}
+        if self.options is not None or self.launch is not None:
+            d.update(options=self.options, launch=self.launch)
+        return d
 
 
 @dataclass(frozen=True)

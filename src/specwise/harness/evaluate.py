@@ -21,6 +21,7 @@ from specwise.harness.store import Store
 from specwise.harness.workload import Workload, builtin_workload, load_workload
 
 DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
+CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
 
 
 def stratified(workload: Workload, n: int) -> Workload:
@@ -57,15 +58,32 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             raise SpecwiseError(f"{path}: 'configs' must list a baseline and at least one speculative configuration")
         out = []
         for i, c in enumerate(raw):
-            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or set(c) - {"name", "drafter", "k"}:
-                raise SpecwiseError(f"{path}: configs[{i}] must be a mapping with 'name' and optionally 'drafter', "
-                                    "'k' (nothing else)")
-            out.append(Config(c["name"], _check_drafter(c.get("drafter"), f"{path}: configs[{i}]"),
-                              c.get("k", "auto")))
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or set(c) - CONFIG_KEYS:
+                raise SpecwiseError(f"{path}: configs[{i}] must be a mapping with 'name' and optionally "
+                                    "'drafter', 'k', 'launch' (a server command), 'request' (extra request fields) "
+                                    "— nothing else")
+            if c.get("launch") is not None and not (isinstance(c["launch"], str) and c["launch"].strip()):
+                raise SpecwiseError(f"{path}: configs[{i}].launch must be a command line (a non-empty string)")
+            if c.get("request") is not None and not isinstance(c["request"], dict):
+                raise SpecwiseError(f"{path}: configs[{i}].request must be a mapping of extra request fields")
+            drafter = _check_drafter(c.get("drafter"), f"{path}: configs[{i}]") if not c.get("launch") else None
+            out.append(Config(c["name"], drafter, c.get("k", "auto"), c.get("request"), c.get("launch")))
         return out
+    if getattr(args, "launch", None):
+        if len(args.launch) < 2:
+            raise SpecwiseError("--launch: give one command per configuration, the baseline's first (at least two)")
+        names = ["baseline"] + (["speculative"] if len(args.launch) == 2 else
+                                [f"speculative-{i}" for i in range(1, len(args.launch))])
+        return [Config(n, None, "auto", None, cmd) for n, cmd in zip(names, args.launch, strict=True)]
     drafters = args.drafter or ["ngram"]
-    return [Config("baseline")] + [Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k)
-                                   for d in drafters]
+    configs = [Config("baseline")] + [Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k)
+                                      for d in drafters]
+    if getattr(args, "endpoint", None):  # specwise serve chooses per request; other servers need --launch
+        configs = [Config(c.name, c.drafter, c.k, {"speculative": {"enabled": c.drafter is not None,
+                                                                    **({"drafter": c.drafter, "k": c.k}
+                                                                       if c.drafter else {})}})
+                   for c in configs]
+    return configs
 
 
 def _check_drafter(spec, where: str):
@@ -103,7 +121,10 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
     if args.temperature < 0:
         raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
-    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, args.model, cap)
+    if args.launch and not args.endpoint:
+        raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
+    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature,
+                args.model if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(), cap)
     out = Path(args.out)
     check_output_dir(out)
     store = Store(out / "run.db")
@@ -111,10 +132,16 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
     print(f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
           f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}", file=sys.stderr)
-    from specwise.harness.backends import EngineBackend
+    if args.endpoint:
+        from specwise.harness.http_backend import HTTPBackend
 
-    backend = EngineBackend(args.model, configs, device=args.device, max_batch=max_batch,
-                            temperature=args.temperature)
+        backend = HTTPBackend(args.endpoint, args.model, configs, api_key=args.api_key,
+                              temperature=args.temperature, launch_timeout=args.launch_timeout, log_dir=out)
+    else:
+        from specwise.harness.backends import EngineBackend
+
+        backend = EngineBackend(args.model, configs, device=args.device, max_batch=max_batch,
+                                temperature=args.temperature)
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -123,6 +150,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         return 130
     finally:
         store.close()
+        if hasattr(backend, "close"):
+            backend.close()
     result = load_run(out / "run.db")
     print(console_summary(result))
     (out / "report.html").write_text(html_report(result))

@@ -31,7 +31,8 @@ def load_run(path: str | Path) -> dict:
         records = store.records()
         analysis = analyze(records, plan, store.get_meta("phase_seconds") or {})
         return {"path": str(path), "plan": plan, "provenance": store.get_meta("provenance") or {},
-                "fingerprint": store.get_meta("fingerprint"), "records": records, "analysis": analysis}
+                "fingerprint": store.get_meta("fingerprint"), "records": records, "analysis": analysis,
+                "server_counters": store.get_meta("server_counters") or {}}
     finally:
         store.close()
 
@@ -67,6 +68,17 @@ def console_summary(run: dict) -> str:
                      f"{_fmt(row['acceptance_rate'], '.2f'):>6} {_fmt(row['mean_acceptance_length'], '.2f'):>5} "
                      f"{_fmt(row['drafting_share'] and 100 * row['drafting_share'], '.1f'):>6} "
                      f"{_fmt(row['goodput'], '.3f'):>9}")
+    if run.get("server_counters"):
+        lines.append("")
+        lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")
+        lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
+        for key, deltas in run["server_counters"].items():
+            drafts = sum(d["num_drafts"] for d in deltas)
+            tokens = sum(d["num_draft_tokens"] for d in deltas)
+            acc = sum(d["num_accepted_tokens"] for d in deltas)
+            lines.append(f"{key:>38} {drafts:>8.0f} {tokens:>9.0f} {acc:>9.0f} "
+                         f"{_fmt(acc / tokens if tokens else None, '.2f'):>6} "
+                         f"{_fmt(1 + acc / drafts if drafts else None, '.2f'):>5}")
     for config, by_kind in a["verdicts"].items():
         for kind, v in by_kind.items():
             lines.append("")

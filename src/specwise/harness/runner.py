@@ -121,9 +121,12 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
         store.add(rec)
 
     backend.warm_up()
+    counters = store.get_meta("server_counters") or {}
     flip = False
     for load in plan.loads:
         size = chunk or max(4, 2 * int(load.value) if load.kind == "concurrent" else 8)
+        if getattr(backend, "prefers_whole_phases", False):
+            size = len(plan.workload.tasks)  # each configuration switch restarts a server: switch per phase only
         for rep in range(plan.repeats):
             ordered = plan.workload.tasks
             for start in range(0, len(ordered), size):
@@ -142,8 +145,14 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
                     key = f"{c.name}|{load.name}"
                     phases[key] = phases.get(key, 0.0) + seconds
                     store.set_meta("phase_seconds", phases)
+                    delta = getattr(backend, "last_phase_counters", None)
+                    if delta:  # the server's own spec-decode counters over this phase (vLLM's /metrics names)
+                        counters.setdefault(key, []).append(delta)
+                        store.set_meta("server_counters", counters)
     if bar is not None:
         bar.close()
+    # A launched server reports its target only once it runs: record what the measured servers said.
+    store.set_meta("provenance", {**backend.info(), "specwise_version": __version__})
 
 
 def _progress(total: int, show: bool):

@@ -1,0 +1,190 @@
+"""Continuous batching for the server: one thread owns the engine and runs its loop; other threads submit, cancel and
+receive events through thread-safe queues.
+
+Between steps the loop takes in new requests and cancellations, applies the load policy (may this step draft?), runs
+one engine step — which admits waiting requests into free slots, verifies every running request's draft in one
+batched target pass and retires finished ones — and hands each event to its request's sink. Speculative and plain
+requests share the batch; at temperature 0 a request's output does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specwise.engine.engine import Engine, Prompt, Sequence, StreamEvent
+from specwise.engine.sampling import SamplingParams
+from specwise.errors import SpecwiseError
+
+log = logging.getLogger("specwise.scheduler")
+Sink = Callable[[StreamEvent | BaseException], None]
+POLICIES = ("always", "never", "auto")
+
+
+class QueueFull(SpecwiseError):
+    """The bounded waiting queue is full; the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Policy:
+    """When steps may draft. `auto` stops drafting when the load (running + waiting requests) rises above `high` and
+    starts again once it falls to `low` or below — a two-way switch with hysteresis, so it does not flap."""
+
+    mode: str = "always"
+    high: int = 4
+    low: int | None = None
+    on: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise SpecwiseError(f"policy {self.mode!r} is not allowed: choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.high, int) or self.high < 1:
+            raise SpecwiseError(f"policy threshold {self.high!r} is not allowed: it must be a whole number ≥ 1")
+        if self.low is None:
+            self.low = max(self.high // 2, 1) if self.high > 1 else 0
+        if not isinstance(self.low, int) or not 0 <= self.low < self.high:
+            raise SpecwiseError(f"policy low threshold {self.low!r} is not allowed: it must be from 0 to "
+                                f"{self.high - 1} (below the high threshold {self.high})")
+        self.on = self.mode != "never"
+
+    def update(self, load: int) -> bool:
+        """Whether the next step drafts, given the current load."""
+        if self.mode == "auto":
+            if self.on and load > self.high:
+                self.on = False
+            elif not self.on and load <= self.low:
+                self.on = True
+        return self.on
+
+    def describe(self) -> str:
+        if self.mode == "auto":
+            return f"auto (off above {self.high} requests, back on at {self.low} or fewer)"
+        return self.mode
+
+
+@dataclass
+class StepReport:
+    """What one step did, for metrics: batch size, load, whether drafting was allowed, (drafted, accepted) per row."""
+
+    running: int
+    waiting: int
+    speculating: bool
+    rows: list[tuple[int, int]]
+    seconds: float
+
+
+class Scheduler:
+    """Runs `engine` on a background thread; `submit` and `cancel` are safe to call from any thread."""
+
+    def __init__(self, engine: Engine, policy: Policy | None = None, max_queue: int = 64,
+                 on_step: Callable[[StepReport], None] | None = None):
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise SpecwiseError(f"max_queue={max_queue!r} is not allowed: it must be a whole number ≥ 1")
+        self.engine, self.policy, self.max_queue, self.on_step = engine, policy or Policy(), max_queue, on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet handed to the engine
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.recent_e2e = 1.0  # smoothed seconds per request, for Retry-After
+
+    # --- callers' side -------------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return self._pending + len(self.engine.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, speculative: bool = True,
+               drafter: str | None = None, k: int | str | None = None, request_id: str | None = None) -> Sequence:
+        """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
+        input and QueueFull when the waiting queue holds `max_queue` requests."""
+        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k)
+        with self._lock:
+            if self.waiting >= self.max_queue:
+                per_slot = self.recent_e2e / max(self.engine.max_batch, 1)
+                raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting): retry later",
+                                retry_after=max(1.0, self.waiting * per_slot))
+            self._pending += 1
+        self._inbox.put(("submit", seq, sink))
+        return seq
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (its client went away): its slot is free from the next step on."""
+        self._inbox.put(("cancel", request_id, None))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specwise-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, sink = item
+            if kind == "submit":
+                self._sinks[payload.request_id] = sink
+                self.engine.enqueue(payload)
+                with self._lock:
+                    self._pending -= 1
+            elif kind == "cancel" and self.engine.cancel(payload):
+                self._sinks.pop(payload, None)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain(block=not engine.has_work)
+            if not engine.has_work:
+                continue
+            load = len(engine.running) + len(engine.waiting)
+            engine.speculate = self.policy.update(load)
+            t0 = time.perf_counter()
+            try:
+                events = engine.step()
+            except Exception as exc:  # an engine fault fails the requests in flight, not the server
+                log.exception("engine step failed; failing the requests in the batch")
+                self._fail_all(exc)
+                continue
+            if self.on_step is not None:
+                self.on_step(StepReport(len(engine.running), len(engine.waiting), engine.speculate,
+                                        list(engine.last_step_rows), time.perf_counter() - t0))
+            for event in events:
+                sink = self._sinks.get(event.request_id)
+                if event.result is not None:
+                    self._sinks.pop(event.request_id, None)
+                    self.recent_e2e = 0.8 * self.recent_e2e + 0.2 * event.result.stats.e2e
+                if sink is not None:
+                    sink(event)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for seq in [*self.engine.running, *self.engine.waiting]:
+            self.engine.cancel(seq.request_id)
+            sink = self._sinks.pop(seq.request_id, None)
+            if sink is not None:
+                sink(exc)

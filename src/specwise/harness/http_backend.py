@@ -1,0 +1,339 @@
+"""The HTTP backend: measure any OpenAI-compatible server (specwise serve, vLLM, SGLang, llama.cpp) as a client does.
+
+Every request is streamed: TTFT is the time to the first chunk that carries text, inter-token latencies are the
+gaps between such chunks, E2E ends at the last byte. Where the server reports per-request speculation statistics
+(specwise's `speculative` extension) they go into the record; where it exposes vLLM's spec-decode counters on
+`/metrics`, they are scraped before and after each phase and the difference is kept per phase.
+
+Configurations differ either by a request field (`options`, e.g. specwise's `{"speculative": {"enabled": false}}`)
+or by a server command (`launch`): the backend starts that configuration's server, waits for `/health`, warms it
+up, measures, and stops it before starting the next. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from specwise.errors import SpecwiseError
+from specwise.harness.backends import Config, Request, hardware
+from specwise.harness.load import Load
+from specwise.harness.store import Record
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    """vLLM's speculative decoding counters from Prometheus text (summed over engines); None if there are none."""
+    out: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "accepted_per_pos": {}}
+    found = False
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1).removesuffix("_total"), m.group(2) or "", m.group(3)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[name]] += v
+            found = True
+        elif name == PER_POS:
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                out["accepted_per_pos"][int(pos.group(1))] = out["accepted_per_pos"].get(int(pos.group(1)), 0) + v
+                found = True
+    return out if found else None
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
+    d["accepted_per_pos"] = [after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0)
+                             for p in positions]
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
+    return d
+
+
+class HTTPBackend:
+    """Runs configurations against an OpenAI-compatible endpoint, launching a server per configuration if asked."""
+
+    prefers_whole_phases = False  # True when configurations are separate server launches (switching costs a start)
+
+    def __init__(self, endpoint: str, model: str | None, configs: list[Config], api_key: str | None = None,
+                 temperature: float = 0.0, timeout: float = 600.0, launch_timeout: float = 600.0,
+                 log_dir: Path | None = None):
+        if not re.match(r"^https?://[^/\s]+", endpoint or ""):
+            raise SpecwiseError(f"--endpoint {endpoint!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+        self.base = endpoint.rstrip("/").removesuffix("/v1")
+        self.model, self.configs = model, {c.name: c for c in configs}
+        self.temperature, self.launch_timeout, self.log_dir = temperature, launch_timeout, log_dir
+        launches = [c.launch for c in configs]
+        if any(launches) and not all(launches):
+            raise SpecwiseError("--launch: give a command for every configuration (the baseline too), or for none")
+        self.launching = all(launches)
+        self.prefers_whole_phases = self.launching
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
+                                   limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.proc: subprocess.Popen | None = None
+        self.current: str | None = None
+        self.targets: dict[str, dict] = {}
+        self.last_phase_counters: dict | None = None
+        if not self.launching:
+            self.model = self._discover_model()
+
+    # --- servers ---------------------------------------------------------------------------------------------
+
+    def _get(self, path: str) -> httpx.Response:
+        return self.client.get(self.base + path, timeout=10.0)
+
+    def _discover_model(self) -> str:
+        try:
+            r = self._get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise SpecwiseError(f"cannot reach {self.base}/v1/models ({exc}); is the server running?") from None
+        if r.status_code == 401:
+            raise SpecwiseError(f"{self.base} refused the API key (401): pass the right one with --api-key")
+        try:
+            data = r.json()["data"]
+        except (ValueError, KeyError, TypeError):
+            raise SpecwiseError(f"{self.base}/v1/models did not answer with a model list ({r.status_code})") from None
+        names = [m.get("id") for m in data]
+        if self.model is None:
+            if len(names) != 1:
+                raise SpecwiseError(f"{self.base} serves {names}: choose one with --model")
+            self.model = names[0]
+        if self.model not in names:
+            raise SpecwiseError(f"{self.base} does not serve --model {self.model!r} (it serves {names})")
+        entry = data[names.index(self.model)]
+        self.target = entry.get("specwise", {}).get("target") or {"name": self.model, "endpoint": self.base}
+        return self.model
+
+    def _start(self, name: str) -> None:
+        cmd = self.configs[name].launch
+        log_path = (self.log_dir or Path(".")) / f"server-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until stopped
+        try:
+            self.proc = subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except (OSError, ValueError) as exc:
+            raise SpecwiseError(f"--launch for {name!r}: cannot start {cmd!r} ({exc})") from None
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.launch_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-1500:]
+                self.proc = None
+                raise SpecwiseError(f"--launch for {name!r}: the server exited before it was healthy; its log "
+                                    f"({log_path}) ends:\n{tail}")
+            try:
+                if self._get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise SpecwiseError(f"--launch for {name!r}: {self.base}/health did not answer 200 within "
+                                f"{self.launch_timeout:.0f} s")
+        self.current = name
+        self._discover_model()
+        self.targets[name] = self.target
+        first = next(iter(self.targets.values()))
+        if json.dumps(self.target, sort_keys=True) != json.dumps(first, sort_keys=True):
+            self.stop()
+            raise SpecwiseError(f"configuration {name!r} serves another target ({self.target}) than the first "
+                                f"({first}): a paired comparison needs the same target")
+        self._warm(name)
+
+    def stop(self) -> None:
+        """Stop the launched server (its whole process group), politely first."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.proc, self.current = None, None
+
+    def close(self) -> None:
+        self.stop()
+        self.client.close()
+
+    def _ensure(self, name: str) -> None:
+        if self.launching and self.current != name:
+            self.stop()
+            self._start(name)
+
+    # --- the runner's interface ---------------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        target = getattr(self, "target", None) or {"name": self.model, "endpoint": self.base}
+        return {"target": target, "hardware": {**hardware(), "endpoint": self.base, "measured_from": "client"},
+                "configs": {n: {"launch": c.launch, "options": c.options} for n, c in self.configs.items()},
+                "backend": "http"}
+
+    def warm_up(self) -> None:
+        if not self.launching:
+            for name in self.configs:
+                self._warm(name)
+
+    def _warm(self, name: str) -> None:
+        req = Request("warm-up", [], 0, 0, "Hello, world. Hello", 8)
+        self._one(name, req, time.perf_counter())
+
+    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
+            progress: Callable[[], None] | None = None) -> float:
+        """Run one phase; returns its wall time. Records are handed to `on_record` on this thread."""
+        self._ensure(config)
+        before = self._counters()
+        done: queue.Queue = queue.Queue()
+        todo = list(requests)
+        lock = threading.Lock()
+        start = time.perf_counter()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    req = todo.pop(0)
+                done.put(self._record(config, load, req))
+
+        if load.kind == "concurrent":
+            threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(int(load.value), len(todo)))]
+        else:
+            arrivals = load.arrivals(len(todo), seed=zlib.crc32(load.name.encode()))
+
+            def timed(req: Request, at: float) -> None:
+                time.sleep(max(0.0, at - (time.perf_counter() - start)))
+                done.put(self._record(config, load, req))
+
+            threads = [threading.Thread(target=timed, args=(r, a), daemon=True)
+                       for r, a in zip(todo, arrivals, strict=False)]
+        for t in threads:
+            t.start()
+        for _ in range(len(requests)):
+            on_record(done.get())
+            if progress:
+                progress()
+        seconds = time.perf_counter() - start
+        for t in threads:
+            t.join()
+        self.last_phase_counters = counter_delta(before, self._counters())
+        return seconds
+
+    def _counters(self) -> dict | None:
+        try:
+            r = self._get("/metrics")
+        except httpx.HTTPError:
+            return None
+        return parse_spec_counters(r.text) if r.status_code == 200 else None
+
+    def _record(self, config: str, load: Load, req: Request) -> Record:
+        t0 = time.perf_counter()
+        rec = Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, t0, t0)
+        try:
+            out = self._one(config, req, t0)
+        except SpecwiseError as exc:
+            rec.finished, rec.error = time.perf_counter(), str(exc)
+            return rec
+        chunks, usage = out["chunks"], out["usage"] or {}
+        spec = out["spec"] or usage.get("speculative") or {}
+        rec.finished = out["finished"]
+        rec.output, rec.finish_reason = out["text"], out["finish_reason"]
+        rec.prompt_tokens = usage.get("prompt_tokens", 0)
+        rec.output_tokens = usage.get("completion_tokens", len(chunks))
+        rec.ttft = chunks[0] - t0 if chunks else None
+        rec.itl = [b - a for a, b in itertools.pairwise(chunks)]
+        rec.e2e = rec.finished - t0
+        rec.decode = chunks[-1] - chunks[0] if chunks else None
+        rec.prefill = spec.get("prefill_time")
+        if spec:
+            rec.spec = {"steps": spec.get("verification_steps", 0), "drafted": spec.get("drafted_tokens", 0),
+                        "accepted": spec.get("accepted_tokens", 0), "rejections": spec.get("rejections", 0),
+                        "drafted_per_position": spec.get("drafted_per_position", []),
+                        "accepted_per_position": spec.get("accepted_per_position", []),
+                        "drafting_time": spec.get("drafting_time", 0.0),
+                        "verification_time": spec.get("verification_time", 0.0)}
+        return rec
+
+    def _one(self, config: str, req: Request, t0: float) -> dict:
+        """Stream one request; returns text, chunk arrival times, finish reason, usage and spec statistics."""
+        chat = isinstance(req.prompt, list)
+        body = {"model": self.model, "max_tokens": req.max_tokens, "temperature": self.temperature, "seed": req.seed,
+                "stream": True, "stream_options": {"include_usage": True}, **(self.configs[config].options or {})}
+        body["messages" if chat else "prompt"] = req.prompt
+        url = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
+        text, chunks, finish, usage, spec = [], [], None, None, None
+        try:
+            with self.client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise SpecwiseError(f"HTTP {r.status_code}: {_error_message(r)}")
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        raise SpecwiseError(f"the server sent a stream line that is not JSON: {data[:200]!r}") from None
+                    if "error" in obj:
+                        raise SpecwiseError(f"the server failed mid-stream: {_error_message(obj)}")
+                    usage = obj.get("usage") or usage
+                    spec = obj.get("speculative") or spec
+                    for choice in obj.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                        if piece:
+                            text.append(piece)
+                            chunks.append(time.perf_counter())
+                        finish = choice.get("finish_reason") or finish
+        except httpx.HTTPError as exc:
+            raise SpecwiseError(f"request to {url} failed: {type(exc).__name__}: {exc}") from None
+        return {"text": "".join(text), "chunks": chunks, "finish_reason": finish, "usage": usage, "spec": spec,
+                "finished": time.perf_counter()}
+
+
+def _error_message(obj) -> str:
+    if isinstance(obj, httpx.Response):
+        try:
+            obj = obj.json()
+        except ValueError:
+            return obj.text[:300]
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err or obj)[:300]

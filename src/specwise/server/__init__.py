@@ -1,0 +1,73 @@
+"""`specwise serve`: the OpenAI-compatible server (app), its wire format (protocol) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_threshold(text: str) -> tuple[int, int | None]:
+    """'8' → (8, None); '8:4' → (8, 4)."""
+    from specwise.errors import SpecwiseError
+
+    high, _, low = text.partition(":")
+    if not high.isdigit() or (low and not low.isdigit()):
+        raise SpecwiseError(f"--policy-threshold {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, "
+                            "e.g. 4 or 4:2): drafting stops above HIGH running+waiting requests, resumes at LOW")
+    return int(high), int(low) if low else None
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
+    from specwise.engine.scheduler import Policy
+    from specwise.errors import SpecwiseError
+
+    if not 0 <= args.port <= 65535:
+        raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
+    if args.max_queue < 1 or args.max_batch < 1:
+        raise SpecwiseError("--max-queue and --max-batch must be ≥ 1")
+    if args.max_body < 1024:
+        raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
+    why = None
+    if args.policy_from:
+        from specwise.harness.verdict import policy_from_run
+
+        mode, high, why = policy_from_run(args.policy_from)
+        policy = Policy(mode, high or 1)
+    else:
+        high, low = parse_threshold(args.policy_threshold)
+        policy = Policy(args.policy, high, low)
+    drafters = [d for d in (args.drafters or "").split(",") if d]
+    if policy.mode != "never" and not args.drafter and not drafters:
+        print("specwise serve: no --drafter given, so every request decodes plainly", file=sys.stderr)
+
+    import uvicorn
+
+    from specwise.engine import Engine, load_target
+    from specwise.engine.scheduler import Scheduler
+    from specwise.server.app import ServerState, create_app
+    from specwise.server.metrics import Metrics
+
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len)
+    for spec in drafters:
+        engine.add_drafter(spec)
+    name = args.served_model_name or target.identity.name
+    metrics = Metrics(name)
+    scheduler = Scheduler(engine, policy, max_queue=args.max_queue, on_step=metrics.on_step)
+    info = {"target": target.identity.to_dict(), "drafters": list(engine.drafters),
+            "default_drafter": engine.drafter.name if engine.drafter else None, "k": engine.k_spec,
+            "policy": policy.describe(), "max_batch": engine.max_batch, "max_len": engine.max_len}
+    state = ServerState(scheduler, name, metrics, args.api_key, info)
+    app = create_app(state, max_body=args.max_body)
+    scheduler.start()
+    print(f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
+          f"{', '.join(engine.drafters) or 'none'}; policy: {policy.describe()}" + (f" [{why}]" if why else ""),
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        scheduler.stop()
+    return 0

@@ -1,0 +1,334 @@
+"""`specwise serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE stream), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus), `GET /openapi.json`. Every client mistake is a 4xx in OpenAI's error shape; a fault of
+the server is a 500 that fails only the request it hit. Requests run on the scheduler's thread; the event loop only
+parses, queues and relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specwise import __version__
+from specwise.engine.engine import GenerationResult, Sequence, StreamEvent
+from specwise.engine.sampling import SamplingParams
+from specwise.engine.scheduler import QueueFull, Scheduler
+from specwise.errors import SpecwiseError
+from specwise.server.metrics import Metrics
+from specwise.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    ProtocolError,
+    SamplingFields,
+    error_body,
+    now,
+    pydantic_error,
+    sse,
+)
+
+log = logging.getLogger("specwise.server")
+DEFAULT_MAX_BODY = 1 << 20
+
+
+@dataclass
+class ServerState:
+    scheduler: Scheduler
+    model_name: str
+    metrics: Metrics
+    api_key: str | None = None
+    info: dict = field(default_factory=dict)  # target identity, drafters, policy: shown by /v1/models
+    on_finish: list[Callable[[Sequence, GenerationResult, dict], None]] = field(default_factory=list)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 (401)."""
+
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.api_key = app, limit, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"].startswith("/v1"):
+            auth = headers.get("authorization", "")
+            if auth != f"Bearer {self.api_key}":
+                why = "no API key given" if not auth else "the API key is wrong"
+                return await _send_error(send, 401, f"{why}: send 'Authorization: Bearer <key>'",
+                                         "invalid_request_error", "invalid_api_key")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await _send_error(send, 413, f"the request body is {declared} bytes; at most {self.limit} are "
+                                     "allowed", "invalid_request_error", "request_too_large")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await _send_error(send, 413, f"the request body is over {self.limit} bytes, the most allowed",
+                                         "invalid_request_error", "request_too_large")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str) -> None:
+    import json
+
+    payload = json.dumps(error_body(message, type_, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    app = FastAPI(title="specwise", version=__version__,
+                  description="OpenAI-compatible server with speculative decoding and a load-aware policy.")
+    app.state.specwise = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError):
+        err = pydantic_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_request: Request, exc: ProtocolError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return JSONResponse(error_body(message, "invalid_request_error", None, None), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _fault(_request: Request, exc: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal server error ({type(exc).__name__}); the request was not completed",
+                                       "server_error", None, None), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: the engine thread is up."""
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """The one model this server serves, with specwise's provenance (target hash, drafters, policy)."""
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specwise", "specwise": state.info}]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text format, vLLM's metric names."""
+        state.metrics.on_queue(state.scheduler.running, state.scheduler.waiting)
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI text completion; add `"speculative": {"enabled", "drafter", "k"}` to choose speculation."""
+        return await _generate(state, request, body, body.prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        """OpenAI chat completion, rendered with the model's chat template."""
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        return await _generate(state, request, body, messages, body.limit(), chat=True)
+
+    app.add_middleware(BodyLimit, limit=max_body, api_key=state.api_key)
+    return app
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise ProtocolError(f"the model {name!r} does not exist on this server: it serves {state.model_name!r}",
+                            "model", 404, "invalid_request_error", "model_not_found")
+
+
+def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None, sink) -> Sequence:
+    engine = state.scheduler.engine
+    spec = body.speculative
+    try:
+        if max_tokens is None:  # as OpenAI: up to the rest of the context
+            max_tokens = max(engine.max_len - len(engine.encode_prompt(prompt)), 1)
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                top_p=body.top_p, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        return state.scheduler.submit(prompt, params, sink, speculative=spec.enabled if spec else True,
+                                      drafter=spec.drafter if spec else None, k=spec.k if spec else None)
+    except QueueFull as exc:
+        raise ProtocolError(str(exc), None, 429, "rate_limit_error", "queue_full",
+                            {"Retry-After": str(int(exc.retry_after + 0.999))}) from None
+    except SpecwiseError as exc:
+        msg = str(exc)
+        param, code = None, None
+        if "context" in msg:
+            param, code = "max_tokens", "context_length_exceeded"
+        elif "drafter" in msg or "k=" in msg:
+            param = "speculative"
+        elif "prompt" in msg or "messages" in msg:
+            param = "messages" if isinstance(prompt, list) else "prompt"
+        raise ProtocolError(msg, param, 400, "invalid_request_error", code) from None
+
+
+def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:
+    s = seq.stats
+    return {
+        "enabled": seq.speculative, "drafter": seq.drafter,
+        "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"),
+        "verification_steps": s.verification_steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+        "rejections": s.rejections, "acceptance_rate": s.acceptance_rate,
+        "mean_acceptance_length": s.mean_acceptance_length, "drafted_per_position": s.drafted_per_position,
+        "accepted_per_position": s.accepted_per_position, "drafting_time": s.drafting_time,
+        "verification_time": s.verification_time, "queue_time": s.queue_time, "prefill_time": s.prefill_time,
+        "decode_time": s.decode_time,
+    }
+
+
+def _usage(seq: Sequence, result: GenerationResult) -> dict:
+    n = len(result.token_ids)
+    return {"prompt_tokens": seq.prompt_len, "completion_tokens": n, "total_tokens": seq.prompt_len + n,
+            "speculative": _spec_usage(seq, result)}
+
+
+class _Relay:
+    """Carries engine events from the scheduler's thread into this request's asyncio queue, with arrival times."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, event: StreamEvent | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the event loop has closed (server shutting down)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (time.perf_counter(), event))
+
+
+async def _generate(state: ServerState, request: Request, body: SamplingFields, prompt, max_tokens: int | None,
+                    chat: bool):
+    _check_model(state, body.model)
+    relay = _Relay()
+    started = time.perf_counter()
+    seq = _submit(state, body, prompt, max_tokens, relay)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    timing = {"started": started, "first": None, "last": None, "itl": []}
+
+    def observe(at: float, event: StreamEvent) -> None:
+        if event.token_ids:
+            if timing["first"] is None:
+                timing["first"] = at
+            else:
+                timing["itl"].append(at - timing["last"])
+            timing["last"] = at
+
+    def finish(result: GenerationResult, at: float) -> None:
+        ttft = timing["first"] - started if timing["first"] is not None else None
+        state.metrics.on_request(ttft, timing["itl"], at - started, seq.prompt_len, len(result.token_ids),
+                                 result.finish_reason)
+        record = {"ttft": ttft, "e2e": at - started, "load": state.scheduler.running + state.scheduler.waiting}
+        for hook in state.on_finish:
+            try:
+                hook(seq, result, record)
+            except Exception:
+                log.exception("request log hook failed")
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, seq, relay, rid, chat, include_usage, observe, finish),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    text: list[str] = []
+    try:
+        while True:
+            try:
+                at, event = await asyncio.wait_for(relay.queue.get(), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    state.scheduler.cancel(seq.request_id)
+                    return Response(status_code=499)
+                continue
+            if isinstance(event, BaseException):
+                raise ProtocolError(f"the engine failed while generating ({type(event).__name__}); retry the "
+                                    "request", None, 500, "server_error")
+            observe(at, event)
+            text.append(event.text)
+            if event.result is not None:
+                result = event.result
+                finish(result, at)
+                break
+    except asyncio.CancelledError:
+        state.scheduler.cancel(seq.request_id)
+        raise
+    choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": state.model_name, "choices": [choice], "usage": _usage(seq, result)}
+
+
+async def _stream(state: ServerState, seq: Sequence, relay: _Relay, rid: str, chat: bool, include_usage: bool,
+                  observe, finish) -> AsyncIterator[str]:
+    created, obj = now(), "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+
+    done = False
+    try:
+        if chat:
+            yield sse(chunk(None, None, first=True))
+        while True:
+            at, event = await relay.queue.get()
+            if isinstance(event, BaseException):
+                yield sse(error_body(f"the engine failed while generating ({type(event).__name__})", "server_error"))
+                done = True
+                break
+            observe(at, event)
+            if event.result is None:
+                if event.text:
+                    yield sse(chunk(event.text, None))
+                continue
+            result = event.result
+            finish(result, at)
+            last = chunk(event.text or None, result.finish_reason)
+            last["speculative"] = _spec_usage(seq, result)  # specwise's per-request statistics
+            yield sse(last)
+            if include_usage:
+                yield sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [],
+                           "usage": _usage(seq, result)})
+            yield "data: [DONE]\n\n"
+            done = True
+            break
+    finally:
+        if not done:  # the client went away mid-stream: free its batch slot now
+            state.scheduler.cancel(seq.request_id)
