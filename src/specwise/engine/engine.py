@@ -104,13 +104,11 @@ class Engine:
         cache_len = self.max_len + PAD_MARGIN
         self.cache = self.model.new_cache(max_batch + 1, cache_len)  # the last slot is scratch, for calibration
         self.cache_len = cache_len
+        self.costs = CostModel()
         self.drafters: dict[str, Drafter] = {}  # every drafter a request may name; the first is the default
         self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
-        self.costs = CostModel()
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.last_step_rows: list[tuple[int, int]] = []
-        if self.drafter is not None:
-            self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
@@ -121,6 +119,8 @@ class Engine:
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, self.target, self.max_batch, self.cache_len)
         self.drafters.setdefault(drafter.name, drafter)
+        if not self.costs.verify:
+            self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         return self.drafters[drafter.name]
 
     # --- requests -------------------------------------------------------------------------------------------

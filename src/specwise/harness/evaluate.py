@@ -109,6 +109,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     from specwise.harness.report import console_summary, html_report, load_run
 
     # Everything is checked before the model loads or anything is measured.
+    if args.launch and not args.endpoint:
+        raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
     workload = load_workload(args.workload) if args.workload else builtin_workload()
     n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
     if n_tasks < 0:
@@ -121,8 +123,6 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
     if args.temperature < 0:
         raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
-    if args.launch and not args.endpoint:
-        raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
     plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature,
                 args.model if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(), cap)
     out = Path(args.out)

@@ -135,25 +135,28 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
     return Verdict(REJECT, clauses=clauses)
 
 
-def policy_from_run(path: str) -> tuple[str, int | None, str]:
-    """The server's load policy that an evaluation run justifies: (mode, high threshold, why).
+def policy_from_verdict(v: dict, loads: list[float]) -> tuple[str, int | None]:
+    """The load policy a concurrency verdict justifies: adopt → drafting on up to the highest concurrency measured
+    (nothing is known above it); conditional → on up to its threshold; reject → never."""
+    if v["decision"] == REJECT:
+        return "never", None
+    high = v["threshold"] if v["decision"] == CONDITIONAL and not v.get("everywhere") else max(loads)
+    return "auto", max(int(high), 1)
 
-    Adopt → drafting on up to the highest concurrency measured (nothing is known above it); conditional → on up to
-    its threshold; reject → never. The run's first speculative configuration with a concurrency verdict decides.
-    """
+
+def policy_from_run(path: str) -> tuple[str, int | None, str]:
+    """(mode, high threshold, why) from an evaluation run: its first speculative configuration with a verdict at
+    fixed concurrency levels decides."""
     from specwise.errors import SpecwiseError
     from specwise.harness.report import load_run
 
     run = load_run(path)
-    verdicts = run["analysis"]["verdicts"]
-    for name, by_kind in verdicts.items():
+    for name, by_kind in run["analysis"]["verdicts"].items():
         v = by_kind.get("concurrent")
         if v is None:
             continue
         loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
-        if v["decision"] == REJECT:
-            return "never", None, f"{path}: {name!r} was rejected — {headline(v, 'concurrency')}"
-        high = v["threshold"] if v["decision"] == CONDITIONAL and not v.get("everywhere") else max(loads)
-        return "auto", max(int(high), 1), f"{path}: {name!r} — {headline(v, 'concurrency')}"
+        mode, high = policy_from_verdict(v, loads)
+        return mode, high, f"{path}: {name!r} — {headline(v, 'concurrency')}"
     raise SpecwiseError(f"{path}: the run has no verdict at fixed concurrency levels, so it gives no load threshold "
                         "(evaluate with --concurrency)")

@@ -46,21 +46,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specwise.engine import Engine, load_target
-    from specwise.engine.scheduler import Scheduler
     from specwise.server.app import ServerState, create_app
-    from specwise.server.metrics import Metrics
 
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len)
     for spec in drafters:
         engine.add_drafter(spec)
-    name = args.served_model_name or target.identity.name
-    metrics = Metrics(name)
-    scheduler = Scheduler(engine, policy, max_queue=args.max_queue, on_step=metrics.on_step)
-    info = {"target": target.identity.to_dict(), "drafters": list(engine.drafters),
-            "default_drafter": engine.drafter.name if engine.drafter else None, "k": engine.k_spec,
-            "policy": policy.describe(), "max_batch": engine.max_batch, "max_len": engine.max_len}
-    state = ServerState(scheduler, name, metrics, args.api_key, info)
+    name = args.served_model_name or target.identity.name.removesuffix(".gguf")
+    state = ServerState.build(engine, name, policy, args.max_queue, args.api_key)
+    scheduler = state.scheduler
     app = create_app(state, max_body=args.max_body)
     scheduler.start()
     print(f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "

@@ -51,6 +51,16 @@ class ServerState:
     info: dict = field(default_factory=dict)  # target identity, drafters, policy: shown by /v1/models
     on_finish: list[Callable[[Sequence, GenerationResult, dict], None]] = field(default_factory=list)
 
+    @classmethod
+    def build(cls, engine, name: str, policy=None, max_queue: int = 64, api_key: str | None = None) -> ServerState:
+        """Metrics, a scheduler over `engine` feeding them, and the provenance /v1/models shows."""
+        metrics = Metrics(name)
+        scheduler = Scheduler(engine, policy, max_queue=max_queue, on_step=metrics.on_step)
+        info = {"target": engine.target.identity.to_dict(), "drafters": list(engine.drafters),
+                "default_drafter": engine.drafter.name if engine.drafter else None, "k": engine.k_spec,
+                "policy": scheduler.policy.describe(), "max_batch": engine.max_batch, "max_len": engine.max_len}
+        return cls(scheduler, name, metrics, api_key, info)
+
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 (401)."""
