@@ -329,7 +329,8 @@ def test_client_disconnect_mid_stream_frees_the_slot(target):
 
 ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20)
                         | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=6)
+                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                        max_leaves=6)
 FIELDS = {
     "model": st.sampled_from(["tiny", "other"]) | ANY_JSON,
     "prompt": st.text(max_size=40) | ANY_JSON,
