@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--dtype", default="float32")
+    srv.add_argument("--log", help="append one record per finished request to this SQLite request log")
+    srv.add_argument("--log-text", action="store_true", help="also log prompt and output text (off by default)")
+    srv.add_argument("--drift-baseline", help="an evaluation run (run.db): export specwise_acceptance_rate and "
+                                              "specwise_drift_alert gauges on /metrics")
+    srv.add_argument("--drift-window", default="1h", help="window of recent requests the gauges compare (default 1h)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
 
@@ -105,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", dest="json_path", help="also export everything as JSON to this path")
     rep.add_argument("--csv", dest="csv_path", help="also export one row per request as CSV to this path")
     rep.set_defaults(func=cmd_report)
+
+    mon = sub.add_parser("monitor", help="compare live traffic (the server's request log) with the evaluation run "
+                                         "that justified speculation; exit 1 on drift")
+    mon.add_argument("--baseline", required=True, help="the evaluation run (run.db)")
+    mon.add_argument("--log", required=True, help="the request log written by `specwise serve --log`")
+    mon.add_argument("--window", default="1h", help="recent window to judge: 30m, 1h, 2d, … or 'all' (default 1h)")
+    mon.add_argument("--alpha", type=float, default=0.01, help="false-alarm level of the distribution tests "
+                                                              "(default 0.01)")
+    mon.add_argument("--watch", action="store_true", help="refresh the table in the terminal until interrupted")
+    mon.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes with --watch")
+    mon.set_defaults(func=cmd_monitor)
 
     cmp = sub.add_parser("compare", help="set two runs side by side; flag revisions that differ")
     cmp.add_argument("a")
@@ -166,6 +182,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.csv_path:
         _write(Path(args.csv_path), to_csv(run))
     return 0
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    import time
+
+    from specwise.harness.monitor import check, status
+
+    if args.interval <= 0:
+        raise SpecwiseError(f"--interval {args.interval} is not allowed: give seconds > 0")
+    rows, table = check(args.baseline, args.log, args.window, args.alpha)
+    if not args.watch:
+        print(table)
+        return status(rows)
+    while True:  # until Ctrl-C (exit 130)
+        sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%Y-%m-%d %H:%M:%S  ") + table + "\n")
+        sys.stdout.flush()
+        time.sleep(args.interval)
+        try:
+            rows, table = check(args.baseline, args.log, args.window, args.alpha)
+        except SpecwiseError as exc:  # e.g. the window emptied: say so and keep watching
+            table = f"(no comparison: {exc})"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -161,7 +161,8 @@ class Attention(nn.Module):
         cache.write(layer, rows, positions, k, v, start)
         keys, values = cache.read(layer, rows, length)  # (B, Hkv, S, D)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=False, enable_gqa=self.h != self.hkv
+            q.transpose(1, 2).contiguous(), keys, values, attn_mask=mask, is_causal=False,
+            enable_gqa=self.h != self.hkv
         )  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.d))
 

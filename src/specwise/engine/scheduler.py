@@ -161,6 +161,7 @@ class Scheduler:
         while not self._stop.is_set():
             self._drain(block=not engine.has_work)
             if not engine.has_work:
+                self.policy.update(0)  # idle: load 0 (so a low threshold of 0 can turn drafting back on)
                 continue
             load = len(engine.running) + len(engine.waiting)
             engine.speculate = self.policy.update(load)

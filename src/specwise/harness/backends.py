@@ -85,7 +85,7 @@ class EngineBackend:
             configs[name] = {
                 "drafter": d.name if d else None, "k": e.k_spec if d else None,
                 "draft_extra_memory_bytes": d.extra_memory_bytes() if d else 0, "draft_device": str(dev) if d else None,
-                "draft_identity": _draft_identity(d, self.target),
+                "draft_identity": draft_identity(d, self.target),
             }
         return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw,
                 "backend": "engine"}
@@ -168,7 +168,7 @@ def _record(config: str, load: Load, req: Request, submitted: float, finished: f
     )
 
 
-def _draft_identity(drafter, target) -> dict | None:
+def draft_identity(drafter, target) -> dict | None:
     if drafter is None:
         return None
     name = drafter.name

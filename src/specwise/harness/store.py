@@ -71,14 +71,21 @@ class Store:
         if not create and not self.path.is_file():
             raise SpecwiseError(f"results file {str(self.path)!r} does not exist")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(self.path))
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.executescript(SCHEMA)
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.db = sqlite3.connect(str(self.path))
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.executescript(SCHEMA)
+            else:  # reading: touch nothing, and say so if this is not a results file
+                self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+                tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if not {"meta", "requests"} <= tables:
+                    self.db.close()
+                    raise SpecwiseError(f"{self.path} is not a specwise results file (run.db of `specwise evaluate`)")
         except (sqlite3.Error, OSError) as exc:
             raise SpecwiseError(f"cannot open results file {str(self.path)!r}: {exc}") from None
         version = self.get_meta("schema_version")
-        if version is None:
+        if version is None and create:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif version != SCHEMA_VERSION:
             raise SpecwiseError(f"{self.path}: results schema version {version}; this specwise reads version "

@@ -40,6 +40,18 @@ def serve_from_args(args: argparse.Namespace) -> int:
         high, low = parse_threshold(args.policy_threshold)
         policy = Policy(args.policy, high, low)
     drafters = [d for d in (args.drafters or "").split(",") if d]
+    if args.log_text and not args.log:
+        raise SpecwiseError("--log-text needs --log PATH (it adds prompt and output text to the request log)")
+    baseline, window = None, None
+    if args.drift_baseline:  # checked before the model loads
+        from specwise.harness.monitor import load_baseline, parse_window
+
+        window = parse_window(args.drift_window) or float("inf")
+        baseline = load_baseline(args.drift_baseline, args.drafter)
+    if args.log:
+        from specwise.harness.requestlog import RequestLog
+
+        RequestLog(args.log).close()  # a path that cannot hold a log fails now, not at the first request
     if policy.mode != "never" and not args.drafter and not drafters:
         print("specwise serve: no --drafter given, so every request decodes plainly", file=sys.stderr)
 
@@ -55,6 +67,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
     name = args.served_model_name or target.identity.name.removesuffix(".gguf")
     state = ServerState.build(engine, name, policy, args.max_queue, args.api_key)
     scheduler = state.scheduler
+    watch = None
+    if args.log or baseline is not None:
+        from specwise.server.drift import DriftWatch
+
+        watch = DriftWatch(engine, args.log, args.log_text, baseline, window)
+        state.on_finish.append(watch.on_finish)
+        state.metrics.extra_gauges = watch.gauges
     app = create_app(state, max_body=args.max_body)
     scheduler.start()
     print(f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
@@ -64,4 +83,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         scheduler.stop()
+        if watch is not None:
+            watch.close()
     return 0

@@ -243,6 +243,7 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
     _check_model(state, body.model)
     relay = _Relay()
     started = time.perf_counter()
+    load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
     seq = _submit(state, body, prompt, max_tokens, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     timing = {"started": started, "first": None, "last": None, "itl": []}
@@ -259,7 +260,7 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
         ttft = timing["first"] - started if timing["first"] is not None else None
         state.metrics.on_request(ttft, timing["itl"], at - started, seq.prompt_len, len(result.token_ids),
                                  result.finish_reason)
-        record = {"ttft": ttft, "e2e": at - started, "load": state.scheduler.running + state.scheduler.waiting}
+        record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompt}
         for hook in state.on_finish:
             try:
                 hook(seq, result, record)

@@ -136,7 +136,7 @@ class Metrics:
             metric("specwise_steps", "counter", "Engine steps, by whether any row drafted.",
                    [f'specwise_steps_total{{{L},speculative="{k}"}} {v}' for k, v in self.steps.items()])
         for name, (help_, value) in (self.extra_gauges() if self.extra_gauges else {}).items():
-            metric(name, "gauge", help_, [f"{name}{{{L}}} {value}"])
+            metric(name, "gauge", help_, [f"{name}{{{L}}} {'NaN' if value != value else value}"])
         return "\n".join(out) + "\n"
 
 

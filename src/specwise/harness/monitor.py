@@ -1,0 +1,252 @@
+"""`specwise monitor`: does live traffic still look like the evaluation that justified speculation?
+
+The baseline is an evaluation run (run.db); "now" is a window of the server's request log. Compared:
+
+- revisions: the target's and the draft's identity in the log against the run's — if either changed, the
+  evaluation no longer applies (verdict `invalid`);
+- per-request acceptance rate and acceptance length (tokens per verification step): two-sample Kolmogorov–Smirnov
+  tests, so a change of shape counts, not only of means;
+- prompt and output length mix (KS as well);
+- the share of requests whose load (running + waiting) lay beyond the highest concurrency the run measured;
+- the realised speedup estimate: tokens per verification step × (1 − drafting share of step time).
+
+A distribution is `drifted` when its test rejects at α / (number of tests) — Bonferroni, so a window drawn from the
+baseline's own distribution raises a false alarm with probability at most α — and the change is large enough to
+matter (`MIN_EFFECT`). No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from specwise.errors import SpecwiseError
+from specwise.harness.requestlog import LogEntry, RequestLog
+from specwise.harness.stats import ks_two_sample
+
+OK, DRIFTED, INVALID = "ok", "drifted", "invalid"
+MIN_N = 5  # fewer requests than this in either sample: reported, not tested
+# Smallest change that counts as drift once the test rejects: absolute for rates, relative for the rest.
+MIN_EFFECT = {"acceptance rate": 0.10, "acceptance length": 0.10, "prompt tokens": 0.25, "output tokens": 0.25}
+BEYOND_SHARE = 0.10  # share of requests above the highest evaluated load that counts as drift
+SPEEDUP_DROP = 0.15  # relative fall of the speedup estimate that counts as drift
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_window(text: str) -> float | None:
+    """'90s', '15m', '1h', '2d' → seconds; 'all' → None (the whole log)."""
+    if text == "all":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd])", text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise SpecwiseError(f"--window {text!r} does not parse: write a positive number with a unit s, m, h or d "
+                            "(e.g. 30m, 1h, 2d), or 'all'")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass
+class Baseline:
+    """What the evaluation measured for the speculative configuration the server runs."""
+
+    path: str
+    config: str
+    target: dict
+    draft: dict | None
+    drafter: str | None
+    acceptance_rate: list[float]
+    acceptance_length: list[float]
+    prompt_tokens: list[float]
+    output_tokens: list[float]
+    max_load: float | None
+    speedup_estimate: float | None
+
+
+@dataclass
+class Row:
+    metric: str
+    baseline: str
+    now: str
+    change: str
+    verdict: str
+    detail: str = ""
+
+
+def load_baseline(path: str, drafter: str | None = None) -> Baseline:
+    """Read an evaluation run; take the speculative configuration whose drafter is `drafter`, else the first."""
+    from specwise.harness.report import load_run
+
+    run = load_run(path)
+    configs = run["plan"]["configs"]
+    spec = configs[1:]
+    if not spec:
+        raise SpecwiseError(f"{path}: the run has no speculative configuration to compare with")
+    chosen = next((c for c in spec if drafter and c.get("drafter") and _same_drafter(c["drafter"], drafter)), spec[0])
+    recs = [r for r in run["records"] if r.config == chosen["name"] and r.error is None]
+    if not recs:
+        raise SpecwiseError(f"{path}: the run holds no finished requests of {chosen['name']!r}")
+    prov = run["provenance"]
+    loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
+    samples = [_sample(r.spec, r.prompt_tokens, r.output_tokens) for r in recs]
+    return Baseline(
+        path=path, config=chosen["name"], target=prov.get("target") or {},
+        draft=(prov.get("configs", {}).get(chosen["name"]) or {}).get("draft_identity"),
+        drafter=chosen.get("drafter"),
+        acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
+        acceptance_length=[s["length"] for s in samples if s["length"] is not None],
+        prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],
+        max_load=max(loads) if loads else None, speedup_estimate=_speedup([r.spec for r in recs]))
+
+
+def _same_drafter(spec: str, name: str) -> bool:
+    """A run's drafter spec ('model:/path', 'ngram:2') against a server's drafter name ('model:name', 'ngram')."""
+    return spec == name or spec.partition(":")[0] == name.partition(":")[0]
+
+
+def _sample(spec: dict, prompt_tokens: int, output_tokens: int) -> dict:
+    drafted, accepted, steps = spec.get("drafted", 0), spec.get("accepted", 0), spec.get("steps", 0)
+    return {"rate": accepted / drafted if drafted else None,
+            "length": (accepted + steps) / steps if steps and drafted else None,
+            "prompt": float(prompt_tokens), "output": float(output_tokens)}
+
+
+def _speedup(specs: list[dict]) -> float | None:
+    """Tokens per verification step × (1 − drafting share): what speculation yields per unit of step time, relative
+    to one token per plain step (an estimate; verification of k+1 tokens is taken to cost a plain step)."""
+    steps = sum(s.get("steps", 0) for s in specs if s.get("drafted"))
+    if not steps:
+        return None
+    tokens = sum(s.get("steps", 0) + s.get("accepted", 0) for s in specs if s.get("drafted"))
+    draft = sum(s.get("drafting_time", 0.0) for s in specs if s.get("drafted"))
+    verify = sum(s.get("verification_time", 0.0) for s in specs if s.get("drafted"))
+    share = draft / (draft + verify) if draft + verify > 0 else 0.0
+    return tokens / steps * (1 - share)
+
+
+def _entry_spec(e: LogEntry) -> dict:
+    return {"steps": e.steps, "drafted": e.drafted, "accepted": e.accepted, "drafting_time": e.drafting_time,
+            "verification_time": e.verification_time}
+
+
+def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> list[Row]:
+    """The monitor's table: one row per metric, each with its verdict."""
+    if not entries:
+        raise SpecwiseError("the window holds no requests: widen --window, or send traffic first")
+    rows = _revision_rows(base, entries)
+    samples = [_sample(_entry_spec(e), e.prompt_tokens, e.output_tokens) for e in entries]
+    now = {"acceptance rate": [s["rate"] for s in samples if s["rate"] is not None],
+           "acceptance length": [s["length"] for s in samples if s["length"] is not None],
+           "prompt tokens": [s["prompt"] for s in samples], "output tokens": [s["output"] for s in samples]}
+    then = {"acceptance rate": base.acceptance_rate, "acceptance length": base.acceptance_length,
+            "prompt tokens": base.prompt_tokens, "output tokens": base.output_tokens}
+    level = alpha / len(now)  # Bonferroni over the distribution tests
+    for metric in now:
+        rows.append(_distribution_row(metric, then[metric], now[metric], level))
+    if base.max_load is not None:
+        beyond = sum(e.load > base.max_load for e in entries) / len(entries)
+        rows.append(Row(f"load > {base.max_load:g} (beyond evaluated)", "0%", f"{beyond:.0%}", f"{beyond:+.0%}",
+                        DRIFTED if beyond > BEYOND_SHARE else OK,
+                        f"{sum(e.load > base.max_load for e in entries)} of {len(entries)} requests"))
+    est_now = _speedup([_entry_spec(e) for e in entries])
+    if base.speedup_estimate is not None and est_now is not None:
+        change = est_now / base.speedup_estimate - 1
+        rows.append(Row("speedup estimate (tokens/step × (1 − draft share))", f"{base.speedup_estimate:.2f}",
+                        f"{est_now:.2f}", f"{change:+.0%}", DRIFTED if change < -SPEEDUP_DROP else OK))
+    elif base.speedup_estimate is not None:
+        rows.append(Row("speedup estimate", f"{base.speedup_estimate:.2f}", "-", "-", OK,
+                        "no request in the window speculated"))
+    return rows
+
+
+def _revision_rows(base: Baseline, entries: list[LogEntry]) -> list[Row]:
+    rows = []
+    sha_then = base.target.get("sha256")
+    shas = {e.target.get("sha256") for e in entries}
+    changed = sorted(s for s in shas if s != sha_then)
+    rows.append(Row("target revision", _short(sha_then), ", ".join(_short(s) for s in sorted(shas, key=str)),
+                    "changed" if changed else "same", INVALID if changed else OK,
+                    f"target {base.target.get('name')} changed: the evaluation no longer applies" if changed else ""))
+    drafts = {_draft_key(e.draft) for e in entries if e.speculative and e.draft}
+    if base.draft is None:
+        rows.append(Row("draft revision", "-", ", ".join(sorted(drafts)) or "-", "-", OK,
+                        "the run did not record its draft's identity"))
+    else:
+        then = _draft_key(base.draft)
+        other = sorted(d for d in drafts if d != then)
+        rows.append(Row("draft revision", then, ", ".join(sorted(drafts)) or "-", "changed" if other else "same",
+                        INVALID if other else OK,
+                        f"draft {', '.join(other)} is not the evaluated {then}: the evaluation no longer applies"
+                        if other else ""))
+    return rows
+
+
+def _draft_key(d: dict) -> str:
+    rev = d.get("sha256") or d.get("derived_from")
+    return f"{d.get('name')}@{_short(rev)}" if rev else str(d.get("name"))
+
+
+def _short(sha) -> str:
+    return str(sha)[:12] if sha else "-"
+
+
+def _distribution_row(metric: str, then: list[float], now: list[float], level: float) -> Row:
+    if len(then) < MIN_N or len(now) < MIN_N:
+        return Row(metric, _mean(then), _mean(now), "-", OK, f"n={len(then)}/{len(now)}: too few to test")
+    ks = ks_two_sample(then, now)
+    m0, m1 = float(np.mean(then)), float(np.mean(now))
+    if metric == "acceptance rate":
+        effect, change = abs(m1 - m0), f"{m1 - m0:+.2f}"
+    else:
+        effect = abs(m1 / m0 - 1) if m0 else float("inf")
+        change = f"{m1 / m0 - 1:+.0%}" if m0 else "-"
+    drifted = ks["p"] < level and effect >= MIN_EFFECT[metric]
+    return Row(metric, f"{m0:.2f}", f"{m1:.2f}", change, DRIFTED if drifted else OK,
+               f"KS D={ks['d']:.2f} p={ks['p']:.2g} (drift if p < {level:.2g} and change ≥ {MIN_EFFECT[metric]:g})")
+
+
+def _mean(x: list[float]) -> str:
+    return f"{np.mean(x):.2f}" if x else "-"
+
+
+def format_table(rows: list[Row], base: Baseline, n: int, window: str) -> str:
+    head = f"baseline {base.path} ({base.config}) vs {n} logged requests, window {window}"
+    w = max(len(r.metric) for r in rows)
+    lines = [head, f"{'metric':<{w}}  {'baseline':>14}  {'now':>14}  {'change':>8}  verdict"]
+    for r in rows:
+        lines.append(f"{r.metric:<{w}}  {r.baseline:>14}  {r.now:>14}  {r.change:>8}  {r.verdict:<8} {r.detail}")
+    worst = INVALID if any(r.verdict == INVALID for r in rows) else (
+        DRIFTED if any(r.verdict == DRIFTED for r in rows) else OK)
+    lines.append("")
+    lines.append({OK: "OK — traffic still matches the evaluation",
+                  DRIFTED: "DRIFTED — traffic no longer matches the evaluation: re-run `specwise evaluate` on it",
+                  INVALID: "INVALID — a revision changed: the evaluation no longer applies; re-run it"}[worst])
+    return "\n".join(lines)
+
+
+def status(rows: list[Row]) -> int:
+    """Exit code: 0 all ok, 1 drifted or invalid."""
+    return 1 if any(r.verdict != OK for r in rows) else 0
+
+
+def check(baseline: str, log: str, window: str = "1h", alpha: float = 0.01, until: float | None = None
+          ) -> tuple[list[Row], str]:
+    """One comparison of the log's window with the baseline: rows and the printed table."""
+    seconds = parse_window(window)
+    if not 0 < alpha < 1:
+        raise SpecwiseError(f"--alpha {alpha} is not allowed: give a level between 0 and 1 (e.g. 0.01)")
+    rlog = RequestLog(log, mode="r")
+    try:
+        if rlog.count() == 0:
+            raise SpecwiseError(f"{log}: the request log is empty (no request has finished since it was started)")
+        end = until or time.time()
+        entries = rlog.entries(since=None if seconds is None else end - seconds, until=end)
+    finally:
+        rlog.close()
+    drafter = next((e.drafter for e in entries if e.drafter), None)
+    base = load_baseline(baseline, drafter)
+    if not entries:
+        raise SpecwiseError(f"the window (last {window}) holds no requests: widen --window, or send traffic first")
+    rows = compare(base, entries, alpha)
+    return rows, format_table(rows, base, len(entries), window)

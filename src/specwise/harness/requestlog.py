@@ -1,0 +1,142 @@
+"""The server's request log: one SQLite row per finished request, what `specwise monitor` compares with an evaluation.
+
+Each row holds when the request finished, its prompt and output token counts, TTFT and E2E, the load it met (running
++ waiting requests when it was submitted), whether it speculated, drafted and accepted tokens (in total and by
+position), the time split between drafting and verification, and the target and draft identity in force. Prompt and
+output text only when asked for (`--log-text`). Rows are committed one by one (WAL), so a monitor can read while the
+server writes. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specwise.errors import SpecwiseError
+
+LOG_SCHEMA_VERSION = 1
+KIND = "specwise-request-log"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS log (
+    time REAL NOT NULL, prompt_tokens INTEGER, output_tokens INTEGER, ttft REAL, e2e REAL, load INTEGER,
+    speculative INTEGER, drafter TEXT, steps INTEGER, drafted INTEGER, accepted INTEGER,
+    drafted_per_position TEXT, accepted_per_position TEXT, drafting_time REAL, verification_time REAL,
+    decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT
+);
+CREATE INDEX IF NOT EXISTS log_time ON log (time);
+"""
+
+
+@dataclass
+class LogEntry:
+    time: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float | None
+    e2e: float
+    load: int
+    speculative: bool
+    drafter: str | None
+    steps: int
+    drafted: int
+    accepted: int
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafting_time: float = 0.0
+    verification_time: float = 0.0
+    decode_time: float = 0.0
+    finish_reason: str | None = None
+    target: dict = field(default_factory=dict)  # identity: name, sha256, …
+    draft: dict | None = None  # identity of the draft in force (None when the request did not speculate)
+    prompt: str | None = None
+    output: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens per verification step, the bonus or recovered token included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else None
+
+
+_JSON = ("drafted_per_position", "accepted_per_position", "target", "draft")
+
+
+class RequestLog:
+    """Append to (or read) a request log file; `mode='r'` refuses a file that is missing or not a request log."""
+
+    def __init__(self, path: str | Path, mode: str = "a"):
+        self.path = Path(path)
+        if mode == "r" and not self.path.is_file():
+            raise SpecwiseError(f"request log {str(self.path)!r} does not exist")
+        self._lock = threading.Lock()
+        try:
+            if mode == "a":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path) if mode == "a" else f"file:{self.path}?mode=ro", uri=mode != "a",
+                                      check_same_thread=False)
+            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if mode == "a":
+                self.db.execute("PRAGMA journal_mode=WAL")
+                if tables and "log" not in tables:
+                    raise SpecwiseError(f"{self.path} is an SQLite file but not a specwise request log: choose "
+                                        "another path for --log")
+                self.db.executescript(SCHEMA)
+            elif "log" not in tables or "meta" not in tables:
+                raise SpecwiseError(f"{self.path} is not a specwise request log (written by `specwise serve --log`)")
+        except sqlite3.Error as exc:
+            raise SpecwiseError(f"cannot open request log {str(self.path)!r}: {exc}") from None
+        except OSError as exc:
+            raise SpecwiseError(f"cannot open request log {str(self.path)!r}: {exc.strerror or exc}") from None
+        version = self._meta("schema_version")
+        if version is None and mode == "a":
+            with self.db:
+                self.db.execute("INSERT INTO meta VALUES ('schema_version', ?), ('kind', ?)",
+                                (json.dumps(LOG_SCHEMA_VERSION), json.dumps(KIND)))
+        elif version != LOG_SCHEMA_VERSION:
+            raise SpecwiseError(f"{self.path}: request log schema version {version}; this specwise reads version "
+                                f"{LOG_SCHEMA_VERSION}")
+
+    def _meta(self, key: str):
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def add(self, entry: LogEntry) -> None:
+        row = asdict(entry)
+        for k in _JSON:
+            row[k] = json.dumps(row[k])
+        row["speculative"] = int(entry.speculative)
+        with self._lock, self.db:
+            self.db.execute(f"INSERT INTO log ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                            tuple(row.values()))
+
+    def entries(self, since: float | None = None, until: float | None = None) -> list[LogEntry]:
+        q, args = "SELECT * FROM log WHERE time >= ? AND time <= ? ORDER BY time", (since or 0.0, until or 1e18)
+        try:
+            cur = self.db.execute(q, args)
+        except sqlite3.Error as exc:
+            raise SpecwiseError(f"cannot read request log {self.path}: {exc}") from None
+        names = [d[0] for d in cur.description]
+        out = []
+        for row in cur.fetchall():
+            d = dict(zip(names, row, strict=True))
+            for k in _JSON:
+                d[k] = json.loads(d[k]) if d[k] is not None else None
+            d["drafted_per_position"] = d["drafted_per_position"] or []
+            d["accepted_per_position"] = d["accepted_per_position"] or []
+            d["target"] = d["target"] or {}
+            d["speculative"] = bool(d["speculative"])
+            out.append(LogEntry(**d))
+        return out
+
+    def count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM log").fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()

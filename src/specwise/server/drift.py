@@ -1,0 +1,86 @@
+"""The server's side of monitoring: the request log (`--log`) and live drift gauges (`--drift-baseline`).
+
+Each finished request becomes a `LogEntry`: appended to the SQLite log when one is open, and kept in a window of
+recent requests that `/metrics` compares with the evaluation run, as `specwise_acceptance_rate` and
+`specwise_drift_alert` (1 when the monitor would say drifted or invalid).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from specwise.engine.engine import GenerationResult, Sequence
+from specwise.harness.backends import draft_identity
+from specwise.harness.monitor import Baseline, compare
+from specwise.harness.requestlog import LogEntry, RequestLog
+
+log = logging.getLogger("specwise.server")
+
+
+class DriftWatch:
+    """Turns finished requests into log entries; writes them and/or keeps them for live drift gauges."""
+
+    def __init__(self, engine, log_path: str | None = None, log_text: bool = False, baseline: Baseline | None = None,
+                 window_seconds: float = 3600.0, alpha: float = 0.01, max_recent: int = 20000):
+        self.engine, self.log_text, self.baseline = engine, log_text, baseline
+        self.window, self.alpha = window_seconds, alpha
+        self.log = RequestLog(log_path) if log_path else None
+        self.recent: collections.deque[LogEntry] = collections.deque(maxlen=max_recent)
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict] | None = None
+        self._identities: dict[str | None, dict | None] = {}
+
+    def _draft(self, name: str | None) -> dict | None:
+        if name not in self._identities:
+            d = self.engine.drafters.get(name) if name else None
+            self._identities[name] = draft_identity(d, self.engine.target) if d else None
+        return self._identities[name]
+
+    def on_finish(self, seq: Sequence, result: GenerationResult, record: dict) -> None:
+        s = seq.stats
+        prompt = record.get("prompt")
+        entry = LogEntry(
+            time=time.time(), prompt_tokens=seq.prompt_len, output_tokens=len(result.token_ids), ttft=record["ttft"],
+            e2e=record["e2e"], load=record["load"], speculative=bool(s.drafted), drafter=seq.drafter,
+            steps=s.verification_steps, drafted=s.drafted, accepted=s.accepted,
+            drafted_per_position=list(s.drafted_per_position), accepted_per_position=list(s.accepted_per_position),
+            drafting_time=s.drafting_time, verification_time=s.verification_time, decode_time=s.decode_time,
+            finish_reason=result.finish_reason, target=self.engine.target.identity.to_dict(),
+            draft=self._draft(seq.drafter) if s.drafted else None,
+            prompt=(prompt if isinstance(prompt, str) else repr(prompt)) if self.log_text else None,
+            output=result.text if self.log_text else None)
+        if self.log is not None:
+            self.log.add(entry)
+        if self.baseline is not None:
+            with self._lock:
+                self.recent.append(entry)
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """specwise_acceptance_rate and specwise_drift_alert over the recent window (recomputed at most every 5 s)."""
+        if self.baseline is None:
+            return {}
+        now = time.time()
+        if self._cached and now - self._cached[0] < 5:
+            return self._cached[1]
+        with self._lock:
+            entries = [e for e in self.recent if e.time >= now - self.window]
+        drafted = sum(e.drafted for e in entries)
+        rate = sum(e.accepted for e in entries) / drafted if drafted else float("nan")
+        alert = 0.0
+        if entries:
+            try:
+                alert = float(any(r.verdict != "ok" for r in compare(self.baseline, entries, self.alpha)))
+            except Exception:  # a gauge must never break /metrics
+                log.exception("drift comparison failed")
+        out = {"specwise_acceptance_rate": ("Accepted over drafted tokens in the drift window.", rate),
+               "specwise_drift_alert": ("1 when traffic in the drift window no longer matches the evaluation.",
+                                        alert)}
+        self._cached = (now, out)
+        return out
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
