@@ -5,7 +5,7 @@ import sys
 
 HARNESS = ["specwise.harness." + m for m in (
     "workload", "validate", "stats", "verdict", "store", "load", "backends", "runner", "analyze", "report",
-    "svgplot", "compare", "evaluate")] + ["specwise.errors", "specwise.cli"]
+    "svgplot", "compare", "evaluate", "http_backend", "requestlog", "monitor")] + ["specwise.errors", "specwise.cli"]
 
 
 def test_harness_modules_do_not_import_torch():

@@ -267,6 +267,9 @@ def test_bad_requests_get_a_4xx_in_openai_error_shape(live, path, body, headers,
 def test_oversized_body_and_api_key(target):
     with serving(Engine(target, max_batch=2), api_key="sesame", max_body=2048) as live:
         good = {"Authorization": "Bearer sesame"}
+        r = httpx.post(live.url + "/v1/completions", headers=good, json={"model": "tiny", "prompt": "a",
+                                                                         "speculative": {"k": 2}})
+        assert r.status_code == 400 and "no drafter" in r.json()["error"]["message"]
         for headers, status, code in (({}, 401, "invalid_api_key"),
                                       ({"Authorization": "Bearer wrong"}, 401, "invalid_api_key")):
             r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "a"}, headers=headers)

@@ -155,6 +155,9 @@ class Engine:
         if drafter is not None and drafter not in self.drafters:
             allowed = ", ".join(self.drafters) or "none (this engine has no drafter)"
             raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}")
+        if speculative and (drafter is not None or k is not None) and not self.drafters:
+            raise SpecwiseError("speculation was asked for (a drafter or k), but this engine has no drafter: start it "
+                                "with one, or ask for plain decoding")
         k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
         generator, seed = make_generator(params, self.device)
         name = drafter or (self.drafter.name if self.drafter is not None else None)
