@@ -159,6 +159,17 @@ def test_adaptive_k_follows_the_cost_of_verification():
     assert b.choose() == 0  # with α < 1 and no parallelism, drafting can only cost
 
 
+def test_batch_cap_weighs_the_padding_every_row_pays():
+    from specwise.engine.draft_length import batch_cap
+
+    costs = FrozenCosts()  # a pass of T tokens per row costs 1 + 0.1·(T − 1)
+    assert batch_cap([(0.9, 4, None)] * 8, 0, costs) == 4  # every row gains from long drafts
+    lone = batch_cap([(0.9, 4, None)], 7, costs)
+    assert 0 < lone < 4  # one drafting row among seven plain ones: a long draft pads all eight
+    assert batch_cap([(0.1, 2, None)] * 4, 0, costs) == 0  # drafts that fail are not worth any padding
+    assert batch_cap([(0.9, 4, None)], 0, CostModel()) is None  # nothing measured: no cap
+
+
 def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):
     target = load_target(tiny_dir)
     engine = Engine(target, drafter=FailingDrafter(), k="auto", max_batch=1)

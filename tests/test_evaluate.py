@@ -217,6 +217,8 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
     ("configs:\n  - {name: base}\n  - {name: x, drafter: ngram, colour: red}", "configs[1] must be a mapping"),
     ("configs:\n  - {name: x, drafter: ngram}\n  - {name: base}", "is the baseline: it must have no drafter"),
     ("configs:\n  - {name: a}\n  - {name: a, drafter: ngram}", "names must be unique"),
+    ("configs:\n  - {name: a, launch: ''}\n  - {name: b, launch: x}", "configs[0].launch must be a command line"),
+    ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, request: 5}", "configs[1].request must be a mapping"),
 ])
 def test_bad_configuration_files_are_refused(tmp_path, text, needle):
     cfg = tmp_path / "configs.yaml"

@@ -150,3 +150,27 @@ class AdaptiveK:
         else:
             self.plain_steps = 0
         return best_k
+
+
+def batch_cap(rows: list[tuple[float, int, str | None]], plain: int, costs: CostModel) -> int | None:
+    """The cap on adaptive rows' draft lengths that maximises a step's expected tokens per second.
+
+    A batched target pass feeds every row as many tokens as the longest draft (rows are padded), so one row's long
+    draft makes all rows pay for it. `rows` are (α, chosen k, drafter) of the drafting rows, `plain` the rows that
+    decode plainly. Returns None when costs are not measured yet (no cap).
+    """
+    longest = max(k for _, k, _ in rows)
+    best_cap, best_rate = longest, -1.0
+    for cap in range(longest + 1):
+        verify = costs.verify_cost(cap + 1)
+        if verify is None:
+            return None
+        by_drafter: dict[str | None, int] = {}
+        for _, k, d in rows:
+            by_drafter[d] = max(by_drafter.get(d, 0), min(k, cap))
+        draft = sum(costs.draft_cost(k, d) or 0.0 for d, k in by_drafter.items())
+        tokens = plain + sum(expected_tokens(a, min(k, cap)) for a, k, _ in rows)
+        rate = tokens / (verify + draft)
+        if rate > best_rate * (1 + 1e-9):
+            best_cap, best_rate = cap, rate
+    return best_cap

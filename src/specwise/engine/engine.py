@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK
+from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK, batch_cap
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.sampling import SamplingParams, make_generator, probs_from_logits, sample
 from specwise.engine.stats import RequestStats
@@ -109,6 +109,7 @@ class Engine:
         self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.last_step_rows: list[tuple[int, int]] = []
+        self._probe_wait = 0  # batch steps since a lone probe was let through (see `_plan`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
@@ -258,7 +259,7 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         self.costs.rows = len(seqs)  # verification cost depends on the batch size as well as on k
-        ks = [self._draft_len(s) for s in seqs]
+        ks = self._plan(seqs)
         drafts = [Draft([]) for _ in seqs]
         draft_time = [0.0] * len(seqs)
         by_drafter: dict[str, list[int]] = {}
@@ -301,6 +302,26 @@ class Engine:
             self.last_step_rows.append((len(draft.tokens), verdict.accepted))
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
         return events
+
+    def _plan(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — capped at
+        what pays for the whole batch (`batch_cap`). A step whose only drafts are probes pays for one probe now and
+        then (every 8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
+        ks = [self._draft_len(s) for s in seqs]
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        if len(seqs) < 2 or not drafting or not all(isinstance(seqs[i].controller, AdaptiveK) for i in drafting):
+            return ks
+        cap = batch_cap([(seqs[i].controller.alpha, ks[i], seqs[i].drafter) for i in drafting],
+                        len(seqs) - len(drafting), self.costs)
+        if cap is None:
+            return ks
+        if cap == 0:
+            probes = [i for i in drafting if seqs[i].controller.probing]
+            self._probe_wait += 1
+            if probes and self._probe_wait >= 8 * len(seqs):
+                self._probe_wait = 0
+                return [1 if i == probes[0] else 0 for i in range(len(seqs))]
+        return [min(k, cap) for k in ks]
 
     def _draft_len(self, seq: Sequence) -> int:
         if seq.controller is None or not self.speculate:
