@@ -194,10 +194,11 @@ def test_policy_hysteresis():
     assert not any(Policy("never").update(n) for n in (0, 100))
 
 
-def test_auto_policy_stops_drafting_under_a_burst_and_resumes_after(target):
+@pytest.mark.parametrize("high, low", [(2, 1), (1, 0)])
+def test_auto_policy_stops_drafting_under_a_burst_and_resumes_after(target, high, low):
     engine = SlowEngine(target, drafter="int8", k=3, max_batch=8)  # int8 always proposes k tokens: it drafts at
     engine.delay = 0.005  # every step the policy allows (the last step of a request may have no room to)
-    with serving(engine, policy=Policy("auto", high=2, low=1)) as live:
+    with serving(engine, policy=Policy("auto", high=high, low=low)) as live:
         def ask(_):
             return httpx.post(live.url + "/v1/completions", json={
                 "model": "tiny", "prompt": "abc abc abc abc", "max_tokens": 60, "temperature": 0,
@@ -212,7 +213,7 @@ def test_auto_policy_stops_drafting_under_a_burst_and_resumes_after(target):
         # requests that overlapped the burst drafted in fewer than all of their steps
         stats = [b["usage"]["speculative"] for b in burst]
         assert any((s["drafted_per_position"] or [0])[0] < s["verification_steps"] - 1 for s in stats)
-        after = ask(0)  # the burst has drained: drafting is back, at every step of a lone request
+        after = ask(0)  # the burst has drained (at once, no idle pause): drafting is back, at every step
         s = after["usage"]["speculative"]
         assert s["drafted_tokens"] > 0 and s["drafted_per_position"][0] >= s["verification_steps"] - 1
         assert live.gauge("specwise_speculation_enabled") == 1

@@ -42,6 +42,7 @@ class Policy:
     high: int = 4
     low: int | None = None
     on: bool = True
+    switches: int = 0  # times auto turned drafting off or back on
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
@@ -59,9 +60,9 @@ class Policy:
         """Whether the next step drafts, given the current load."""
         if self.mode == "auto":
             if self.on and load > self.high:
-                self.on = False
+                self.on, self.switches = False, self.switches + 1
             elif not self.on and load <= self.low:
-                self.on = True
+                self.on, self.switches = True, self.switches + 1
         return self.on
 
     def describe(self) -> str:
@@ -79,6 +80,7 @@ class StepReport:
     speculating: bool
     rows: list[tuple[int, int]]
     seconds: float
+    switches: int = 0
 
 
 class Scheduler:
@@ -159,9 +161,10 @@ class Scheduler:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            if not engine.has_work:
+                self.policy.update(0)  # empty, if only for an instant: load 0 reaches any low threshold
             self._drain(block=not engine.has_work)
             if not engine.has_work:
-                self.policy.update(0)  # idle: load 0 (so a low threshold of 0 can turn drafting back on)
                 continue
             load = len(engine.running) + len(engine.waiting)
             engine.speculate = self.policy.update(load)
@@ -174,7 +177,8 @@ class Scheduler:
                 continue
             if self.on_step is not None:
                 self.on_step(StepReport(len(engine.running), len(engine.waiting), engine.speculate,
-                                        list(engine.last_step_rows), time.perf_counter() - t0))
+                                        list(engine.last_step_rows), time.perf_counter() - t0,
+                                        self.policy.switches))
             for event in events:
                 sink = self._sinks.get(event.request_id)
                 if event.result is not None:

@@ -61,8 +61,7 @@ class Metrics:
     def on_step(self, report: StepReport) -> None:
         with self._lock:
             self.running, self.waiting, self.batch = report.running, report.waiting, len(report.rows)
-            if int(report.speculating) != self.speculating:
-                self.switches += 1
+            self.switches = report.switches
             self.speculating = int(report.speculating)
             if report.rows:
                 self.batch_hist.observe(len(report.rows))
