@@ -291,3 +291,24 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_watch_refreshes_the_table_until_interrupted(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    base = write_baseline(tmp_path / "run.db", n=20)
+    log = write_log(tmp_path / "log.db", entries(n=10))
+    proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "monitor", "--baseline", base, "--log", log,
+                             "--watch", "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(4)
+    write_log(tmp_path / "log.db", entries(n=5, seed=7))  # new requests appear in the next refresh
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    frames = out.split("\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 3 and all("target revision" in f for f in frames)
+    assert "vs 10 logged requests" in frames[0] and "vs 15 logged requests" in frames[-1]
