@@ -42,7 +42,8 @@ def test_greedy_speculative_equals_baseline(embedded, baseline, drafter):
             engine.calibrate()
         results = engine.generate(PROMPTS, PARAMS)
         assert [r.token_ids for r in results] == baseline, f"{drafter} k={k}"
-        assert sum(r.stats.drafted for r in results) > 0
+        if k != "auto":  # adaptive k may rightly decline to draft (e.g. a draft model as costly as the target)
+            assert sum(r.stats.drafted for r in results) > 0
 
 
 def test_identical_draft_model_accepts_everything_and_matches(embedded, baseline):

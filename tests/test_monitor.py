@@ -237,7 +237,7 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
     work = tmp_path / "w.yaml"
     work.write_text("tasks:\n" + "".join(f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], "
                                          f"max_tokens: 32}}\n" for i, p in enumerate(COPY_HEAVY)))
-    cli("evaluate", "--workload", work, "--concurrency", "1,2", "--repeats", "2", "--drafter", "ngram",
+    cli("evaluate", "--workload", work, "--concurrency", "1", "--repeats", "2", "--drafter", "ngram",
         "--out", tmp_path / "run", "--no-progress")
     base = tmp_path / "run" / "run.db"
     log, port = tmp_path / "requests.db", free_port()
@@ -262,7 +262,7 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
                     "model": "m", "messages": [{"role": "user", "content": p}], "max_tokens": 32, "temperature": 0})
                 assert r.status_code == 200, r.text
 
-            with ThreadPoolExecutor(2) as pool:
+            with ThreadPoolExecutor(1) as pool:  # one at a time, the load the evaluation measured
                 list(pool.map(ask, prompts))
 
         batch(COPY_HEAVY * 2)
@@ -297,18 +297,28 @@ def test_watch_refreshes_the_table_until_interrupted(tmp_path):
     import signal
     import subprocess
     import sys
+    import threading
 
     base = write_baseline(tmp_path / "run.db", n=20)
     log = write_log(tmp_path / "log.db", entries(n=10))
     proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "monitor", "--baseline", base, "--log", log,
                              "--watch", "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    time.sleep(4)
-    write_log(tmp_path / "log.db", entries(n=5, seed=7))  # new requests appear in the next refresh
-    time.sleep(2)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 120
+        while text not in "".join(out):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)[-2000:]
+            time.sleep(0.1)
+
+    wait_for("vs 10 logged requests")
+    write_log(tmp_path / "log.db", entries(n=5, seed=7))  # new requests appear in a later refresh
+    wait_for("vs 15 logged requests")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
-    frames = out.split("\x1b[H\x1b[2J")[1:]
-    assert len(frames) >= 3 and all("target revision" in f for f in frames)
-    assert "vs 10 logged requests" in frames[0] and "vs 15 logged requests" in frames[-1]
+    assert proc.wait(timeout=60) == 130, proc.stderr.read()
+    reader.join(10)
+    frames = "".join(out).split("\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 2 and all("target revision" in f for f in frames)

@@ -79,6 +79,12 @@ class Store:
             else:  # reading: touch nothing, and say so if this is not a results file
                 self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
                 tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                version = self.get_meta("schema_version") if "meta" in tables else None
+                if version is not None and version != SCHEMA_VERSION:
+                    self.db.close()
+                    raise SpecwiseError(f"{self.path}: results schema version {version}; this specwise reads "
+                                        f"version {SCHEMA_VERSION} (re-run the evaluation, or use the specwise "
+                                        "that wrote it)")
                 if not {"meta", "requests"} <= tables:
                     self.db.close()
                     raise SpecwiseError(f"{self.path} is not a specwise results file (run.db of `specwise evaluate`)")
