@@ -303,7 +303,8 @@ def test_watch_refreshes_the_table_until_interrupted(tmp_path):
     log = write_log(tmp_path / "log.db", entries(n=10))
     proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "monitor", "--baseline", base, "--log", log,
                              "--watch", "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True,  # Ctrl-C as at a terminal, even when this suite runs in the background
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
