@@ -143,22 +143,23 @@ def test_monitor_exit_codes(tmp_path):
     assert rev.returncode == 1 and "INVALID" in rev.stdout and "ngram:2" in rev.stdout
 
 
-def _other_schema_log(path):
-    write_log(path, entries(n=3))
+def _sql(path, statement: str):
+    """Run one statement on an SQLite file (to age a log, or stamp another schema version) and return the path."""
     db = sqlite3.connect(path)
     with db:
-        db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        db.execute(statement)
     db.close()
     return path
+
+
+def _other_schema_log(path):
+    write_log(path, entries(n=3))
+    return _sql(path, "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
 
 
 def _other_schema_run(path):
     write_baseline(path, n=10)
-    db = sqlite3.connect(path)
-    with db:
-        db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    db.close()
-    return path
+    return _sql(path, "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
 
 
 def _zero_bytes(path):
@@ -189,11 +190,7 @@ def test_bad_monitor_input_exits_2(tmp_path, make, needle):
 
 def _age(path):
     """Move every entry of a log an hour into the past."""
-    db = sqlite3.connect(path)
-    with db:
-        db.execute("UPDATE log SET time = time - 3600")
-    db.close()
-    return path
+    return _sql(path, "UPDATE log SET time = time - 3600")
 
 
 def test_request_log_round_trip(tmp_path):
