@@ -8,6 +8,7 @@ steps, which is what the server's continuous batching builds on; `generate` and 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -141,13 +142,17 @@ class Engine:
         return ids
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                speculative: bool = True, drafter: str | None = None, k: int | str | None = None) -> Sequence:
+                speculative: bool = True, drafter: str | None = None, k: int | str | None = None,
+                fill_context: bool = False) -> Sequence:
         """Check and encode a request without queueing it (safe from another thread than the loop's).
 
-        `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request.
+        `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request;
+        `fill_context` lets it generate up to the rest of the context (OpenAI's default when no limit is given).
         """
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
+        if fill_context:
+            params = dataclasses.replace(params, max_new_tokens=max(self.max_len - len(ids), 1))
         if len(ids) + params.max_new_tokens > self.max_len:
             raise SpecwiseError(
                 f"the prompt is {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: together they "

@@ -110,10 +110,11 @@ class Scheduler:
         return len(self.engine.running)
 
     def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, speculative: bool = True,
-               drafter: str | None = None, k: int | str | None = None, request_id: str | None = None) -> Sequence:
+               drafter: str | None = None, k: int | str | None = None, request_id: str | None = None,
+               fill_context: bool = False) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input and QueueFull when the waiting queue holds `max_queue` requests."""
-        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k)
+        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k, fill_context)
         with self._lock:
             if self.waiting >= self.max_queue:
                 per_slot = self.recent_e2e / max(self.engine.max_batch, 1)

@@ -74,11 +74,32 @@ class Row:
     detail: str = ""
 
 
-def load_baseline(path: str, drafter: str | None = None) -> Baseline:
-    """Read an evaluation run; take the speculative configuration whose drafter is `drafter`, else the first."""
-    from specwise.harness.report import load_run
+_BASELINES: dict[tuple, Baseline] = {}
 
-    run = load_run(path)
+
+def load_baseline(path: str, drafter: str | None = None) -> Baseline:
+    """Read an evaluation run; take the speculative configuration whose drafter is `drafter`, else the first.
+
+    Only the plan, provenance and records are read (no analysis), once per file version: `--watch` and the
+    server's gauges call this again and again."""
+    from pathlib import Path
+
+    from specwise.harness.store import Store
+
+    try:
+        key = (str(Path(path).resolve()), Path(path).stat().st_mtime_ns, drafter)
+    except OSError:
+        key = None
+    if key in _BASELINES:
+        return _BASELINES[key]
+    store = Store(path, create=False)
+    try:
+        run = {"plan": store.get_meta("plan"), "provenance": store.get_meta("provenance") or {},
+               "records": store.records()}
+    finally:
+        store.close()
+    if run["plan"] is None:
+        raise SpecwiseError(f"{path}: no run in this results file")
     configs = run["plan"]["configs"]
     spec = configs[1:]
     if not spec:
@@ -90,7 +111,7 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
     prov = run["provenance"]
     loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
     samples = [_sample(r.spec, r.prompt_tokens, r.output_tokens) for r in recs]
-    return Baseline(
+    base = Baseline(
         path=path, config=chosen["name"], target=prov.get("target") or {},
         draft=(prov.get("configs", {}).get(chosen["name"]) or {}).get("draft_identity"),
         drafter=chosen.get("drafter"),
@@ -98,6 +119,9 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
         prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],
         max_load=max(loads) if loads else None, speedup_estimate=_speedup([r.spec for r in recs]))
+    if key is not None:
+        _BASELINES[key] = base
+    return base
 
 
 def _same_drafter(spec: str, name: str) -> bool:

@@ -182,15 +182,13 @@ def _check_model(state: ServerState, name: str) -> None:
 
 
 def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None, sink) -> Sequence:
-    engine = state.scheduler.engine
     spec = body.speculative
     try:
-        if max_tokens is None:  # as OpenAI: up to the rest of the context
-            max_tokens = max(engine.max_len - len(engine.encode_prompt(prompt)), 1)
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+        params = SamplingParams(max_new_tokens=max_tokens or 1, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
         return state.scheduler.submit(prompt, params, sink, speculative=spec.enabled if spec else True,
-                                      drafter=spec.drafter if spec else None, k=spec.k if spec else None)
+                                      drafter=spec.drafter if spec else None, k=spec.k if spec else None,
+                                      fill_context=max_tokens is None)  # as OpenAI: up to the rest of the context
     except QueueFull as exc:
         raise ProtocolError(str(exc), None, 429, "rate_limit_error", "queue_full",
                             {"Retry-After": str(int(exc.retry_after + 0.999))}) from None
