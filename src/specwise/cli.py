@@ -8,7 +8,17 @@ import os
 import sys
 
 from specwise import __version__
+from specwise.choices import DTYPES, QUANTIZE
 from specwise.errors import SpecwiseError
+
+DTYPE_HELP = ("weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
+              "Hugging Face weights), bfloat16, float32 (the reference); float16 on CUDA only")
+QUANTIZE_HELP = "quantise Hugging Face weights per group of 32: int4 or int8 (a different target, with its own hash)"
+
+
+def _precision_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--quantize", default=None, choices=QUANTIZE, help=QUANTIZE_HELP)
 
 
 def _k(value: str) -> int | str:
@@ -38,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    gen.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    _precision_flags(gen)
     gen.add_argument("--stats", action="store_true", help="print the request's statistics after the text")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON instead of streaming")
     gen.set_defaults(func=cmd_generate)
@@ -64,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "./specwise-run)")
     ev.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     ev.add_argument("--device", default="cpu")
+    _precision_flags(ev)
     ev.add_argument("--endpoint", help="measure an OpenAI-compatible server at this URL instead of the in-process "
                                        "engine (e.g. http://127.0.0.1:8000)")
     ev.add_argument("--launch", action="append", help="with --endpoint: the command that starts one "
@@ -95,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
     srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     srv.add_argument("--device", default="cpu")
-    srv.add_argument("--dtype", default="float32")
+    _precision_flags(srv)
     srv.add_argument("--log", help="append one record per finished request to this SQLite request log")
     srv.add_argument("--log-text", action="store_true", help="also log prompt and output text (off by default)")
     srv.add_argument("--drift-baseline", help="an evaluation run (run.db): export specwise_acceptance_rate and "
@@ -136,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     if not args.prompt.strip():
         raise SpecwiseError("the prompt is empty: give at least one character of text")
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
     engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1)
     use_chat = not args.raw and target.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt

@@ -22,10 +22,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        empty: bool = False,
     ):
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, slots, Hkv, S, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # `empty`: left unwritten (memory is only committed as positions are first written) — for readers that never
+        # look past a query's own position (the CPU kernels); the reference decoder masks padded reads, so zeros.
+        make = torch.empty if empty else torch.zeros
+        self.k = make(shape, dtype=dtype, device=device)  # (L, slots, Hkv, S, D)
+        self.v = make(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_len = max_len
 

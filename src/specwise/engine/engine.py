@@ -118,6 +118,7 @@ class Engine:
 
     def add_drafter(self, drafter: str | Drafter) -> Drafter:
         """Build (from a spec) and register a drafter that requests may choose by name."""
+        check_invariant(self.target)
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, self.target, self.max_batch, self.cache_len)
         self.drafters.setdefault(drafter.name, drafter)
@@ -251,9 +252,8 @@ class Engine:
         self.running.append(seq)
         start = self._now()
         seq.stats.queue_time = start - seq.submitted
-        prompt = torch.tensor([seq.token_ids], device=self.device)
-        logits = self.model(prompt, torch.arange(seq.prompt_len, device=self.device)[None], self.cache, [seq.slot])
-        last = logits[0, -1:]  # (1, V)
+        n = seq.prompt_len
+        last = self._forward(seq.token_ids, list(range(n)), [seq.slot] * n, [n - 1])  # (1, V)
         token = int(last.argmax()) if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
                                                                          seq.generator))
         now = self._now()
@@ -261,6 +261,14 @@ class Engine:
         seq.first_token_at = now
         seq.stats.ttft = now - seq.submitted
         return self._commit(seq, [token])
+
+    def _forward(self, tokens: list[int], positions: list[int], slots: list[int], out_rows: list[int] | None = None
+                 ) -> torch.Tensor:
+        """One target pass over any tokens at (slot, position); logits of `out_rows` (all rows when None)."""
+        dev = self.device
+        return self.model.forward_tokens(self.cache, torch.tensor(tokens, device=dev),
+                                         torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
+                                         None if out_rows is None else torch.tensor(out_rows))
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         self.costs.rows = len(seqs)  # verification cost depends on the batch size as well as on k
@@ -281,17 +289,19 @@ class Engine:
             for i in idx:
                 draft_time[i] = spent
         t1 = self._now()
-        rows = [[s.token_ids[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=False)]
-        T = max(len(r) for r in rows)
-        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-        positions = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, (seq, row) in enumerate(zip(seqs, rows, strict=False)):
-            tokens[b, : len(row)] = torch.tensor(row)
-            positions[b] = torch.arange(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + T)
-        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, [s.slot for s in seqs])
+        # One pass over every row's pending token and draft, unpadded: row b's tokens sit at its next positions.
+        tokens, positions, slots, starts = [], [], [], []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            starts.append(len(tokens))
+            row = [seq.token_ids[-1], *draft.tokens]
+            tokens += row
+            positions += range(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + len(row))
+            slots += [seq.slot] * len(row)
+        logits = self._forward(tokens, positions, slots)
+        T = max(len(d.tokens) for d in drafts) + 1
         verdicts = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
-            scores = logits[b, : len(draft.tokens) + 1]  # (k+1, V)
+            scores = logits[starts[b] : starts[b] + len(draft.tokens) + 1]  # (k+1, V)
             if seq.params.greedy:
                 verdicts.append(greedy_verify(draft.tokens, scores.argmax(-1).tolist()))
             else:
@@ -404,13 +414,11 @@ class Engine:
         """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs."""
         scratch = self.max_batch
         sizes = sorted({1, 2, 3, 5, self.k_max // 2 + 1, self.k_max + 1})
-        self.model(torch.zeros(1, 8, dtype=torch.long, device=self.device),
-                   torch.arange(8, device=self.device)[None], self.cache, [scratch])  # warm-up
+        self._forward([0] * 8, list(range(8)), [scratch] * 8)  # warm-up
         for T in sizes:
             for _ in range(repeats):
                 t0 = self._now()
-                self.model(torch.zeros(1, T, dtype=torch.long, device=self.device),
-                           torch.arange(8, 8 + T, device=self.device)[None], self.cache, [scratch])
+                self._forward([0] * T, list(range(8, 8 + T)), [scratch] * T)
                 self.costs.observe_verify(T, self._now() - t0, 1)
         return {T: self.costs.verify_cost(T, 1) for T in sizes}
 
@@ -418,6 +426,16 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def check_invariant(target: LoadedModel) -> None:
+    """Speculation is offered only where a row's logits do not depend on the pass around it (MISSION rule 7)."""
+    if not getattr(target.model, "batch_invariant", False):
+        where = f"{target.device.type}, {target.identity.precision}"
+        raise SpecwiseError(
+            f"speculation is refused on this target ({where}): its steps are not batch-invariant, so speculative "
+            "output could differ from plain output. Run it on the CPU kernels (a Llama-family model, --device cpu, "
+            "with a C compiler installed), or decode plainly without a drafter")
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:

@@ -30,7 +30,10 @@ class SlotCaches:
 
 
 class HFAdapter(nn.Module):
-    """forward(tokens, positions, cache, slots) → logits, run through a transformers model."""
+    """forward(tokens, positions, cache, slots) → logits, run through a transformers model (not batch-invariant:
+    the engine refuses speculation on it)."""
+
+    batch_invariant = False
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -51,8 +54,23 @@ class HFAdapter(nn.Module):
             raise SpecwiseError(f"{directory}: transformers could not load this model ({exc})") from exc
         return cls(model.to(device).eval())
 
+    @property
+    def precision(self) -> str:
+        return str(self.hf.dtype).removeprefix("torch.")
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.hf.parameters())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.hf.parameters())
+
     def new_cache(self, num_slots: int, max_len: int) -> SlotCaches:
         return SlotCaches(num_slots)
+
+    def forward_tokens(self, cache, tokens, positions, slots, out_rows=None) -> torch.Tensor:
+        from specwise.engine.model import padded_forward_tokens
+
+        return padded_forward_tokens(self, cache, tokens, positions, slots, out_rows)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCaches, slots: list[int]

@@ -192,8 +192,39 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def padded_forward_tokens(model, cache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                          out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`forward_tokens` for models with the padded (B, T) interface: group tokens by slot (each slot's tokens at
+    consecutive positions), pad the rows to one length, run them, and gather the rows asked for."""
+    order: dict[int, list[int]] = {}
+    for i, s in enumerate(slots.tolist()):
+        order.setdefault(s, []).append(i)
+    groups = list(order.items())
+    T = max(len(ix) for _, ix in groups)
+    dev = tokens.device
+    tok = torch.zeros(len(groups), T, dtype=torch.long, device=dev)
+    pos = torch.zeros(len(groups), T, dtype=torch.long, device=dev)
+    where = torch.empty(len(slots), 2, dtype=torch.long)
+    for b, (_, ix) in enumerate(groups):
+        idx = torch.tensor(ix, device=dev)
+        tok[b, : len(ix)] = tokens[idx]
+        start = int(positions[ix[0]])
+        pos[b] = torch.arange(start, start + T, device=dev)
+        where[ix, 0] = b
+        where[ix, 1] = torch.arange(len(ix))
+    logits = model(tok, pos, cache, [s for s, _ in groups])  # (B, T, V)
+    rows = torch.arange(len(slots)) if out_rows is None else out_rows.cpu()
+    return logits[where[rows, 0].to(dev), where[rows, 1].to(dev)]
+
+
 class Decoder(nn.Module):
-    """Token ids at per-row positions in, logits out; keys and values go to the caller's cache."""
+    """Token ids at per-row positions in, logits out; keys and values go to the caller's cache.
+
+    The reference implementation in torch ops: CUDA runs it, and the CPU when the kernels cannot be built. Its
+    matmuls and attention pick kernels by shape, so a row's logits may differ in the last bits between a batch and
+    a single row: it is not batch-invariant, and the engine refuses speculation on it."""
+
+    batch_invariant = False
 
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
@@ -219,6 +250,21 @@ class Decoder(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def precision(self) -> str:
+        return str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.parameters()}.values())
+
+    def forward_tokens(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (M,) at positions (M,) in slots (M,) → logits (len(out_rows), V); see padded_forward_tokens."""
+        return padded_forward_tokens(self, cache, tokens, positions, slots, out_rows)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.engine.model import Decoder, shallow_copy
+from specwise.engine.model import shallow_copy
 
 
 def _fbgemm_pack(w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
@@ -54,8 +54,11 @@ class Int8Linear(nn.Module):
         return self.qweight.numel() + self.scale.numel() * 4
 
 
-def quantize_int8(decoder: Decoder) -> Decoder:
-    """A copy of `decoder` whose linear layers (head included) are int8; embeddings and norms are shared."""
+def quantize_int8(decoder):
+    """A copy of `decoder` whose linear layers (head included) are int8; embeddings and norms are shared. On the
+    CPU kernels: group-32 int8 (Q8) packing; on the reference decoder: fbgemm's per-channel int8."""
+    if hasattr(decoder, "requantized"):
+        return decoder.requantized("int8")
     layers = []
     for block in decoder.layers:
         b, attn, mlp = shallow_copy(block), shallow_copy(block.self_attn), shallow_copy(block.mlp)
@@ -66,6 +69,10 @@ def quantize_int8(decoder: Decoder) -> Decoder:
     return decoder.derive(layers, Int8Linear(decoder.lm_head))
 
 
-def int8_nbytes(model: nn.Module) -> int:
+def int8_nbytes(model) -> int:
     """Bytes held by the int8 layers of a quantised copy (what it adds beyond the shared target weights)."""
+    if hasattr(model, "weights"):  # native: every linear was re-packed; the embeddings are shared
+        w = model.weights
+        return sum(getattr(L, n).nbytes() for L in w.layers for n in ("qkv", "o", "gate_up", "down")) + \
+            (w.head.nbytes() if w.head is not w.embed else 0)
     return sum(m.nbytes() for m in model.modules() if isinstance(m, Int8Linear))

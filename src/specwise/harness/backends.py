@@ -65,10 +65,10 @@ class EngineBackend:
     """Runs configurations on the in-process engine; one target load, one engine per configuration."""
 
     def __init__(self, model: str | None, configs: list[Config], device: str = "cpu", max_batch: int = 8,
-                 max_len: int = 1536, temperature: float = 0.0):
+                 max_len: int = 1536, temperature: float = 0.0, dtype: str = "auto", quantize: str | None = None):
         from specwise.engine import Engine, load_target
 
-        self.target = load_target(model, device=device)
+        self.target = load_target(model, device=device, dtype=dtype, quantize=quantize)
         self.temperature = temperature
         self.engines = {c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len)
                         for c in configs}

@@ -111,6 +111,9 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     # Everything is checked before the model loads or anything is measured.
     if args.launch and not args.endpoint:
         raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
+    if args.endpoint and (args.dtype != "auto" or args.quantize):
+        raise SpecwiseError("--dtype and --quantize set the in-process engine's precision; with --endpoint the server "
+                            "decides it (put them in the command you --launch)")
     workload = load_workload(args.workload) if args.workload else builtin_workload()
     n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
     if n_tasks < 0:
@@ -123,8 +126,12 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
     if args.temperature < 0:
         raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
+    target = args.model
+    if not args.endpoint and (args.dtype != "auto" or args.quantize):  # another precision is another target
+        target = " ".join(filter(None, [args.model, f"--dtype {args.dtype}" if args.dtype != "auto" else None,
+                                        f"--quantize {args.quantize}" if args.quantize else None]))
     plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature,
-                args.model if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(), cap)
+                target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(), cap)
     out = Path(args.out)
     check_output_dir(out)
     store = Store(out / "run.db")
@@ -141,7 +148,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         from specwise.harness.backends import EngineBackend
 
         backend = EngineBackend(args.model, configs, device=args.device, max_batch=max_batch,
-                                temperature=args.temperature)
+                                temperature=args.temperature, dtype=args.dtype, quantize=args.quantize)
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
     except KeyboardInterrupt:

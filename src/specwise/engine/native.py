@@ -1,0 +1,316 @@
+"""The Llama-family decoder on specwise's CPU kernels: one C call per forward pass, weights in their own precision.
+
+`NativeDecoder.forward_tokens` runs any set of tokens — a prompt chunk, one-token steps, (k+1)-token verification
+rows of several sequences — each at its own (slot, position), and returns logits only for the rows asked for. Every
+row's result is bitwise independent of the others in the pass (see csrc/kernels.c), which is what makes
+speculative greedy output equal plain greedy output, alone or batched, in every precision offered:
+
+- ``float32``  every linear layer in fp32 (the reference), fp32 KV cache;
+- ``bfloat16`` every linear layer in bf16;
+- ``native``   a GGUF's own types: Q4_0/Q4_1/Q4_K as 4-bit, Q8_0 as 8-bit, anything else in bf16;
+- ``int4`` / ``int8``  weights quantised here, group 32 (``--quantize``); the head stays 8-bit with int4.
+
+Activations are fp32 throughout; the KV cache is bf16 except in ``float32``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specwise.engine import kernels as K
+from specwise.engine.cache import KVCache
+from specwise.engine.model import ModelConfig, rope_inv_freq
+from specwise.errors import SpecwiseError
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class NativeLayer:
+    attn_norm: torch.Tensor
+    qkv: K.PackedLinear
+    o: K.PackedLinear
+    ffn_norm: torch.Tensor
+    gate_up: K.PackedLinear
+    down: K.PackedLinear
+
+
+@dataclass
+class NativeWeights:
+    """Every tensor the kernels read, with the precision they were packed in."""
+
+    cfg: ModelConfig
+    precision: str
+    embed: K.PackedLinear
+    head: K.PackedLinear  # the same object as embed when the embeddings are tied and kept as is
+    norm: torch.Tensor
+    layers: list[NativeLayer] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        packed = {id(p): p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)}
+        packed.update({id(self.embed): self.embed, id(self.head): self.head})
+        norms = sum(t.numel() * 4 for L in self.layers for t in (L.attn_norm, L.ffn_norm)) + self.norm.numel() * 4
+        return sum(p.nbytes() for p in packed.values()) + norms
+
+    def num_parameters(self) -> int:
+        packed = {id(p): p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)}
+        packed.update({id(self.embed): self.embed, id(self.head): self.head})
+        norms = sum(L.attn_norm.numel() + L.ffn_norm.numel() for L in self.layers) + self.norm.numel()
+        return sum(p.n * p.k for p in packed.values()) + norms
+
+    # --- saving in the conversion cache ---------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Flat tensors and metadata (formats, shapes) for a safetensors file."""
+        tensors: dict[str, torch.Tensor] = {"norm": self.norm}
+        meta = {"precision": self.precision, "tied": str(self.head is self.embed)}
+
+        def put(name: str, p: K.PackedLinear) -> None:
+            meta[name] = f"{p.fmt},{p.n},{p.k}"
+            for key, t in p.tensors().items():
+                tensors[f"{name}.{key}"] = t
+
+        put("embed", self.embed)
+        if self.head is not self.embed:
+            put("head", self.head)
+        for i, L in enumerate(self.layers):
+            tensors[f"layers.{i}.attn_norm"] = L.attn_norm
+            tensors[f"layers.{i}.ffn_norm"] = L.ffn_norm
+            for name in LINEARS:
+                put(f"layers.{i}.{name}", getattr(L, name))
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> NativeWeights:
+        def get(name: str) -> K.PackedLinear:
+            fmt, n, k = (int(v) for v in meta[name].split(","))
+            parts = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+            return K.PackedLinear.from_tensors(fmt, n, k, parts)
+
+        embed = get("embed")
+        head = embed if meta.get("tied") == "True" else get("head")
+        layers = [NativeLayer(tensors[f"layers.{i}.attn_norm"], get(f"layers.{i}.qkv"), get(f"layers.{i}.o"),
+                              tensors[f"layers.{i}.ffn_norm"], get(f"layers.{i}.gate_up"), get(f"layers.{i}.down"))
+                  for i in range(cfg.num_layers)]
+        return cls(cfg, meta["precision"], embed, head, tensors["norm"], layers)
+
+
+def pack(w: torch.Tensor, precision: str, bias: torch.Tensor | None = None, head: bool = False) -> K.PackedLinear:
+    """A dense (n, k) weight in the format `precision` asks for."""
+    if precision == "float32":
+        return K.pack_dense(w, K.F32, bias)
+    if precision == "int8" or (precision == "int4" and head):
+        return K.pack_q8(*K.quantize_q8(w), bias)
+    if precision == "int4":
+        return K.pack_q4(*K.quantize_q4(w), bias)
+    return K.pack_dense(w, K.BF16, bias)
+
+
+def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str) -> NativeWeights:
+    """Pack a Hugging Face Llama-family state dict (any float dtype) in `precision` (float32, bfloat16, int4,
+    int8): Q/K/V and gate/up fused, each projection quantised on its own rows."""
+
+    def take(name: str) -> torch.Tensor:
+        for key in (name, "model." + name):
+            if key in state:
+                return state[key].float()
+        raise SpecwiseError(f"weights are missing tensor {name!r} (is this a {cfg.architecture} checkpoint?)")
+
+    def fused(names: list[str], bias: bool = False) -> K.PackedLinear:
+        if precision in ("int4", "int8"):  # quantise per projection, so a row's groups never straddle two
+            parts = [pack(take(n + ".weight"), precision) for n in names]
+            merged = _concat(parts)
+        else:
+            merged = pack(torch.cat([take(n + ".weight") for n in names]), precision)
+        if bias:
+            merged = replace(merged, bias=torch.cat([take(n + ".bias") for n in names]).contiguous())
+        return merged
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        att = p + "self_attn."
+        o = pack(take(att + "o_proj.weight"), precision, take(att + "o_proj.bias") if cfg.o_bias else None)
+        layers.append(NativeLayer(
+            take(p + "input_layernorm.weight").contiguous(),
+            fused([att + f"{n}_proj" for n in "qkv"], cfg.qkv_bias),
+            o,
+            take(p + "post_attention_layernorm.weight").contiguous(),
+            fused([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            pack(take(p + "mlp.down_proj.weight"), precision),
+        ))
+    embed_w = take("embed_tokens.weight")
+    embed = pack(embed_w, "int8" if precision in ("int4", "int8") else precision, head=True)
+    head = embed if cfg.tie_word_embeddings else pack(take("lm_head.weight"), precision, head=True)
+    return NativeWeights(cfg, precision, embed, head, take("norm.weight").contiguous(), layers)
+
+
+def _concat(parts: list[K.PackedLinear]) -> K.PackedLinear:
+    """Stack packed linears along their outputs (each a whole number of 32-column blocks but the last)."""
+    first = parts[0]
+    if any(p.n % 32 for p in parts[:-1]) or any(p.fmt != first.fmt or p.k != first.k for p in parts):
+        w = torch.cat([p.dequantize() for p in parts])
+        return pack(w, K.FORMAT_NAMES[first.fmt])
+    cat = {key: torch.cat([p.tensors()[key] for p in parts]) for key in first.tensors()}
+    return K.PackedLinear.from_tensors(first.fmt, sum(p.n for p in parts), first.k, cat)
+
+
+def from_gguf(reader, path, cfg: ModelConfig) -> NativeWeights:
+    """Pack a GGUF file's tensors in their own precision (Q4_*/Q8_0 natively, other types in bf16)."""
+    from specwise.engine import gguf
+
+    raw: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+    types: set[str] = set()
+    for name, kind, type_name, arrays in gguf.tensors(reader, path):
+        raw[name] = (kind, arrays)
+        if kind != "dense" or arrays["w"].dim() > 1:
+            types.add(type_name)
+
+    def get(name: str) -> tuple[str, dict[str, torch.Tensor]]:
+        if name not in raw:
+            raise SpecwiseError(f"{path}: the file lacks tensor {name!r}")
+        return raw[name]
+
+    def packed(names: list[str]) -> K.PackedLinear:
+        parts = []
+        for n in names:
+            kind, arrays = get(n)
+            if kind == "q4":
+                parts.append(K.pack_q4(arrays["q"], arrays["d"], arrays["m"]))
+            elif kind == "q8":
+                parts.append(K.pack_q8(arrays["q"], arrays["d"]))
+            else:
+                parts.append(K.pack_dense(arrays["w"], K.BF16))
+        return parts[0] if len(parts) == 1 else _concat(parts)
+
+    def dense(name: str) -> torch.Tensor:
+        return gguf.dequantized(*get(name)).float().contiguous()
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = packed([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        if cfg.qkv_bias:
+            qkv = replace(qkv, bias=torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        layers.append(NativeLayer(dense(p + "input_layernorm.weight"), qkv, packed([p + "self_attn.o_proj.weight"]),
+                                  dense(p + "post_attention_layernorm.weight"),
+                                  packed([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                                  packed([p + "mlp.down_proj.weight"])))
+    embed = packed(["model.embed_tokens.weight"])
+    head = embed if cfg.tie_word_embeddings else packed(["lm_head.weight"])
+    precision = "native (" + ", ".join(sorted(types)) + ")"
+    return NativeWeights(cfg, precision, embed, head, dense("model.norm.weight"), layers)
+
+
+class NativeDecoder:
+    """forward_tokens(cache, tokens, positions, slots, out_rows) → logits of out_rows, on the CPU kernels."""
+
+    batch_invariant = True
+
+    def __init__(self, weights: NativeWeights, max_len: int | None = None, kv_dtype: torch.dtype | None = None):
+        cfg = weights.cfg
+        if cfg.head_dim % 16 or cfg.head_dim > 128 or cfg.num_heads % cfg.num_kv_heads:
+            raise SpecwiseError(f"the CPU kernels need a head size that is a multiple of 16 up to 128 and whole "
+                                f"query groups (got head_dim={cfg.head_dim}, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
+        if cfg.hidden_size % 32 or cfg.intermediate_size % 32:
+            raise SpecwiseError(f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
+                                f"{cfg.hidden_size}, {cfg.intermediate_size})")
+        self.lib = K.library()
+        self.cfg, self.weights = cfg, weights
+        self.precision = weights.precision
+        self.max_len = max_len or cfg.max_position_embeddings
+        self.device = torch.device("cpu")
+        self.kv_dtype = kv_dtype or (torch.float32 if self.precision == "float32" else torch.bfloat16)
+        pos = torch.arange(self.max_len, dtype=torch.float64)
+        freqs = torch.outer(pos, rope_inv_freq(cfg))  # (S, D/2)
+        self.cos, self.sin = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
+        self._keep = [L for L in weights.layers]
+        self._build()
+        self._scratch = torch.empty(0)
+        self._lock = threading.Lock()
+
+    def _build(self) -> None:
+        w = self.weights
+        layers = (K.SwLayer * max(len(w.layers), 1))()
+        for i, L in enumerate(w.layers):
+            layers[i] = K.SwLayer(L.attn_norm.data_ptr(), L.qkv.struct(), L.o.struct(), L.ffn_norm.data_ptr(),
+                                  L.gate_up.struct(), L.down.struct())
+        self._layers = layers
+        self._embed, self._head = w.embed.struct(), w.head.struct()
+        c = self.cfg
+        self._model = K.SwModel(len(w.layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                                c.head_dim, c.vocab_size, self.max_len, c.rms_norm_eps, layers,
+                                ctypes.pointer(self._embed), w.norm.data_ptr(), ctypes.pointer(self._head),
+                                self.cos.data_ptr(), self.sin.data_ptr())
+
+    # --- what the engine and drafters use ---------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights.layers)
+
+    def num_parameters(self) -> int:
+        return self.weights.num_parameters()
+
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes()
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
+                       dtype=self.kv_dtype, empty=True)
+
+    def forward_tokens(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (M,) at positions (M,) in cache slots (M,) → fp32 logits (len(out_rows), V) (all rows if None)."""
+        M = int(tokens.shape[0])
+        tokens = tokens.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int32).contiguous()
+        rows = (torch.arange(M, dtype=torch.int32) if out_rows is None else out_rows.to(torch.int32)).contiguous()
+        if cache.k.dtype != self.kv_dtype or cache.k.shape[0] != self.num_layers:
+            raise SpecwiseError("this cache was made for another model or precision")
+        logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
+        threads = torch.get_num_threads()
+        sw_cache = K.SwCache(cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16),
+                             cache.num_slots, cache.max_len, 0)
+        with self._lock:
+            need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.max_len, threads)
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need)
+            rc = self.lib.sw_forward(ctypes.byref(self._model), ctypes.byref(sw_cache), M, tokens.data_ptr(),
+                                     positions.data_ptr(), slots.data_ptr(), int(rows.shape[0]), rows.data_ptr(),
+                                     logits.data_ptr(), self._scratch.data_ptr(), threads)
+        if rc != 0:
+            what = {-1: "a position outside the cache or the model's context", -2: "a slot outside the cache",
+                    -3: "a token id outside the vocabulary", -4: "an output row outside the pass"}[rc]
+            raise SpecwiseError(f"forward pass refused: {what}")
+        return logits
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]
+                 ) -> torch.Tensor:
+        """The padded interface of the reference decoder: (B, T) tokens and positions → (B, T, V) logits."""
+        B, T = tokens.shape
+        slot_ids = torch.tensor(slots, dtype=torch.int32).repeat_interleave(T)
+        logits = self.forward_tokens(cache, tokens.reshape(-1), positions.reshape(-1), slot_ids)
+        return logits.reshape(B, T, -1)
+
+    def layer_subset(self, layer_ids: list[int]) -> NativeDecoder:
+        """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""
+        sub = replace(self.weights, layers=[self.weights.layers[i] for i in layer_ids])
+        return NativeDecoder(sub, self.max_len, self.kv_dtype)
+
+    def requantized(self, precision: str, kv_dtype: torch.dtype | None = None) -> NativeDecoder:
+        """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
+        dequantised reference of a quantised model); embeddings and norms are shared."""
+        layers = [NativeLayer(L.attn_norm, *(pack(getattr(L, n).dequantize(), precision, getattr(L, n).bias)
+                                             for n in ("qkv", "o")),
+                              L.ffn_norm, *(pack(getattr(L, n).dequantize(), precision) for n in ("gate_up", "down")))
+                  for L in self.weights.layers]
+        head = pack(self.weights.head.dequantize(), precision, head=True)
+        return NativeDecoder(replace(self.weights, precision=precision, layers=layers, head=head), self.max_len,
+                             kv_dtype)
