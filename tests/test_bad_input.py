@@ -93,6 +93,16 @@ def test_bad_device(tiny_dir):
 def test_bad_dtype(tiny_dir):
     with pytest.raises(SpecwiseError, match="dtype 'int4'"):
         load_target(tiny_dir, dtype="int4")
+    with pytest.raises(SpecwiseError, match=r"quantize 'int3'.*allowed: int4, int8"):
+        load_target(tiny_dir, quantize="int3")
+    with pytest.raises(SpecwiseError, match="float16 runs on CUDA only"):
+        load_target(tiny_dir, dtype="float16")
+
+
+@pytest.mark.embedded
+def test_quantizing_an_already_quantised_gguf_is_refused():
+    with pytest.raises(SpecwiseError, match=r"already quantised \(Q4_1, Q8_0\)"):
+        load_target(quantize="int4")
 
 
 def run_cli(*args):
@@ -108,11 +118,21 @@ def run_cli(*args):
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens=0"),
     (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
     (["generate", "hi", "--k", "many"], "not a draft length"),
+    (["evaluate", "--endpoint", "http://127.0.0.1:9", "--dtype", "bfloat16"], "the server decides it"),
 ])
 def test_cli_reports_bad_input_without_traceback(args, needle):
     proc = run_cli(*args)
     assert proc.returncode == 2
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["generate hi", "serve", "evaluate"])
+@pytest.mark.parametrize("flag, value, allowed", [("--dtype", "int4", ["auto", "float32", "bfloat16", "float16"]),
+                                                  ("--quantize", "int2", ["int4", "int8"])])
+def test_cli_precision_flags_name_the_allowed_values(command, flag, value, allowed):
+    proc = run_cli(*command.split(), flag, value)
+    assert proc.returncode == 2 and f"invalid choice: '{value}'" in proc.stderr, proc.stderr
+    assert all(a in proc.stderr.rsplit("choose from", 1)[1] for a in allowed)
 
 
 def test_cli_generate_with_stats_on_a_tiny_model(tiny_dir):

@@ -1,7 +1,10 @@
-"""The engine on tiny random models: greedy equality for every drafter and k, batching, distribution, adaptive k.
+"""The engine on tiny random models: greedy equality for every drafter and k in every precision, batching,
+distribution, adaptive k.
 
 Greedy-equality preconditions (as transformers states them): ignore_eos so no request ends early, enough tokens
-for many verification rounds, and prompts that repeat themselves so n-gram drafts are sometimes accepted.
+for many verification rounds, and prompts that repeat themselves so n-gram drafts are sometimes accepted. On the CPU
+kernels equality holds by construction (a row's logits do not depend on the pass around it), so these tests hold
+exactly, in every precision, alone and batched.
 """
 
 import math
@@ -22,6 +25,9 @@ PROMPTS = [
     "a long prompt: release notes, fixes, release notes, fixes, release",
 ]
 KS = [1, 2, 4, 8, "auto"]
+PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
+              "int4": ("auto", "int4")}
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def drafters(tiny_draft_dir):
@@ -30,19 +36,33 @@ def drafters(tiny_draft_dir):
 
 @pytest.fixture(scope="module")
 def baseline(tiny):
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    return [r.token_ids for r in Engine(tiny, max_batch=8).generate(PROMPTS, params)]
+    return [r.token_ids for r in Engine(tiny, max_batch=8).generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def precise(request, tiny_dir):
+    """The tiny model in each precision the CLI offers, with its plain greedy outputs, each prompt run alone."""
+    dtype, quantize = PRECISIONS[request.param]
+    target = load_target(tiny_dir, dtype=dtype, quantize=quantize)
+    alone = [Engine(target, max_batch=1).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    return request.param, target, alone
 
 
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("which", range(4))
-def test_greedy_speculative_equals_baseline(tiny, tiny_draft_dir, baseline, which, k):
+def test_greedy_speculative_equals_baseline(precise, tiny_draft_dir, which, k):
+    name, target, alone = precise
     spec = drafters(tiny_draft_dir)[which]
-    engine = Engine(tiny, drafter=spec, k=k, max_batch=8)
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [r.token_ids for r in results] == baseline
+    engine = Engine(target, drafter=spec, k=k, max_batch=8)
+    results = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == alone, f"{name} {spec} k={k}"
     assert all(r.stats.verification_steps >= 2 for r in results)
     assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_plain_batch_equals_each_prompt_alone_in_every_precision(precise):
+    name, target, alone = precise
+    assert [r.token_ids for r in Engine(target, max_batch=8).generate(PROMPTS, GREEDY)] == alone, name
 
 
 def test_speculation_actually_skips_steps(tiny, baseline):

@@ -150,11 +150,11 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: s
 
 
 def _concat(parts: list[K.PackedLinear]) -> K.PackedLinear:
-    """Stack packed linears along their outputs (each a whole number of 32-column blocks but the last)."""
+    """Stack packed linears along their outputs: block by block when they share a format and all but the last fill
+    whole 32-column blocks, else (a fused projection whose parts come in different types) in bf16."""
     first = parts[0]
     if any(p.n % 32 for p in parts[:-1]) or any(p.fmt != first.fmt or p.k != first.k for p in parts):
-        w = torch.cat([p.dequantize() for p in parts])
-        return pack(w, K.FORMAT_NAMES[first.fmt])
+        return K.pack_dense(torch.cat([p.dequantize() for p in parts]), K.BF16)
     cat = {key: torch.cat([p.tensors()[key] for p in parts]) for key in first.tensors()}
     return K.PackedLinear.from_tensors(first.fmt, sum(p.n for p in parts), first.k, cat)
 

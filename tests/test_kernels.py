@@ -1,0 +1,239 @@
+"""The CPU kernels: exact dequantisation, and rows whose results do not depend on the rest of the pass.
+
+Bitwise comparisons (torch.equal) throughout: batch and draft invariance is a property of the arithmetic, so a
+difference in the last bit is a failure, not noise.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from specwise.engine import kernels as K
+from specwise.engine import load_target
+from specwise.errors import SpecwiseError
+
+FORMATS = ["f32", "bf16", "q8", "q4"]
+
+
+def packed(fmt: str, n: int = 200, k: int = 96, seed: int = 0, bias: bool = False) -> K.PackedLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    if fmt == "q4":
+        return K.pack_q4(*K.quantize_q4(w), bias=b)
+    if fmt == "q8":
+        return K.pack_q8(*K.quantize_q8(w), bias=b)
+    return K.pack_dense(w, K.F32 if fmt == "f32" else K.BF16, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_computes_with_the_dequantised_weights(fmt):
+    lin = packed(fmt, bias=True)  # n = 200: the last 32-column block is partly padding
+    x = torch.randn(7, lin.k)
+    ref = x.double() @ lin.dequantize().double().t() + lin.bias.double()
+    assert (K.gemm(lin, x).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_rows_do_not_depend_on_the_rest_of_the_pass(fmt):
+    """Every row count from 1 to 23 (one-row and multi-row kernels, tails), any order, any thread count."""
+    lin = packed(fmt, n=320, k=128)
+    x = torch.randn(23, lin.k)
+    full = K.gemm(lin, x)
+    for m in range(1, 24):
+        assert torch.equal(K.gemm(lin, x[:m]), full[:m]), m
+    perm = torch.randperm(23)
+    assert torch.equal(K.gemm(lin, x[perm]), full[perm])
+    assert torch.equal(torch.cat([K.gemm(lin, x[i : i + 1]) for i in range(23)]), full)
+    assert torch.equal(K.gemm(lin, x, threads=1), full)
+
+
+def test_the_comparison_has_teeth():
+    """One ulp in one element is a difference to torch.equal (the invariance checks are bitwise, not allclose)."""
+    a = torch.randn(4, 8)
+    b = a.clone()
+    b[2, 3] = torch.nextafter(b[2, 3], torch.tensor(float("inf")))
+    assert not torch.equal(a, b) and torch.allclose(a, b)
+
+
+def test_packings_round_trip():
+    q = torch.randint(0, 16, (70, 64), dtype=torch.uint8)
+    d, m = torch.rand(70, 2), -torch.rand(70, 2)
+    expect = (q.float().reshape(70, 2, 32) * d[..., None] + m[..., None]).reshape(70, 64)
+    assert torch.equal(K.pack_q4(q, d, m).dequantize(), expect)
+    q8 = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
+    assert torch.equal(K.pack_q8(q8, d).dequantize(), (q8.float().reshape(70, 2, 32) * d[..., None]).reshape(70, 64))
+    w = torch.randn(70, 64)
+    assert torch.equal(K.pack_dense(w, K.F32).dequantize(), w)
+    assert torch.equal(K.pack_dense(w, K.BF16).dequantize(), w.bfloat16().float())
+
+
+def test_quantisers_stay_within_half_a_step():
+    w = torch.randn(64, 128)
+    q, d, m = K.quantize_q4(w)
+    err = (K.pack_q4(q, d, m).dequantize() - w).abs().reshape(64, 4, 32)
+    assert (err <= d[..., None] / 2 + 1e-6).all()
+    q8, d8 = K.quantize_q8(w)
+    err = (K.pack_q8(q8, d8).dequantize() - w).abs().reshape(64, 4, 32)
+    assert (err <= d8[..., None] / 2 + 1e-6).all()
+
+
+# --- the whole decoder ------------------------------------------------------------------------------------------
+
+PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
+              "int4": ("auto", "int4")}
+
+
+def logits(model, cache, tokens, positions, slots):
+    return model.forward_tokens(cache, torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+
+
+def check_invariance(model, prompt: list[int], steps: list[int], other: list[int]) -> None:
+    """A sequence's logits, step by step, equal (bitwise) those of the same tokens verified in one pass, and in a
+    batch beside another sequence at another length with its own multi-token pass."""
+    P, n = len(prompt), len(steps)
+    cache = model.new_cache(4, 256)
+    logits(model, cache, prompt, list(range(P)), [0] * P)
+    one = torch.cat([logits(model, cache, [t], [P + i], [0]) for i, t in enumerate(steps)])
+    cache = model.new_cache(4, 256)
+    logits(model, cache, prompt, list(range(P)), [2] * P)
+    assert torch.equal(logits(model, cache, steps, list(range(P, P + n)), [2] * n), one), "one pass of n tokens"
+    cache = model.new_cache(4, 256)
+    logits(model, cache, other, list(range(len(other))), [1] * len(other))
+    logits(model, cache, prompt, list(range(P)), [3] * P)
+    rows = steps[:3] + other[:2]
+    batch = logits(model, cache, rows, [P, P + 1, P + 2, len(other), len(other) + 1], [3, 3, 3, 1, 1])
+    assert torch.equal(batch[:3], one[:3]), "three tokens beside another sequence's two"
+    for i in range(3, n):  # and the rest one at a time, each beside a one-token step of the other sequence
+        pair = logits(model, cache, [steps[i], other[i % len(other)]], [P + i, len(other) + 2 + i - 3], [3, 1])
+        assert torch.equal(pair[:1], one[i : i + 1]), f"step {i} in a batch of two"
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_decoder_rows_are_batch_and_draft_invariant(tiny_dir, precision):
+    dtype, quantize = PRECISIONS[precision]
+    model = load_target(tiny_dir, dtype=dtype, quantize=quantize).model
+    check_invariance(model, [5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 5, 30, 31, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+
+
+def test_decoder_rows_do_not_depend_on_the_thread_count(tiny_dir):
+    model = load_target(tiny_dir).model
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(1, 64)
+            runs.append(logits(model, cache, list(range(1, 30)), list(range(29)), [0] * 29))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.embedded
+def test_embedded_rows_are_batch_and_draft_invariant(embedded):
+    tok = embedded.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "List three colours."}]),
+                        add_special_tokens=False)
+    other = tok.encode("Release notes: fixed the parser; added retries to the upload client.")
+    check_invariance(embedded.model, prompt, tok.encode(" Red, green and blue are colours.")[:8], other)
+
+
+def test_kernels_refuse_out_of_range_inputs_instead_of_crashing(tiny):
+    model = tiny.model
+    cache = model.new_cache(2, 32)
+    with pytest.raises(SpecwiseError, match="position"):
+        logits(model, cache, [1], [32], [0])
+    with pytest.raises(SpecwiseError, match="slot"):
+        logits(model, cache, [1], [0], [2])
+    with pytest.raises(SpecwiseError, match="vocabulary"):
+        logits(model, cache, [10_000], [0], [0])
+
+
+def test_reduced_row_counts_still_need_k_multiple_of_32():
+    with pytest.raises(SpecwiseError, match="multiple of 32"):
+        K.pack_dense(torch.randn(8, 40))
+
+
+# --- GGUF tensors of every kind ---------------------------------------------------------------------------------
+
+
+K_QUANTS = {"Q4_K": (144, [(0, 0.01), (2, 0.002)]), "Q6_K": (210, [(208, 0.001)])}  # block bytes, (fp16 at, value)
+
+
+def write_gguf(path, types: dict[str, str]) -> None:
+    """A one-layer llama GGUF (hidden 256 so that K-quants fit) with each weight in the type `types` names."""
+    import gguf
+    from gguf.quants import quantize
+
+    C, F, H, Hkv, V = 256, 512, 4, 2, 64  # hidden, feed-forward, heads, kv heads, vocabulary
+    D = C // H
+    shapes = {"token_embd.weight": (V, C), "output.weight": (V, C), "blk.0.attn_q.weight": (C, C),
+              "blk.0.attn_k.weight": (Hkv * D, C), "blk.0.attn_v.weight": (Hkv * D, C),
+              "blk.0.attn_output.weight": (C, C), "blk.0.ffn_gate.weight": (F, C), "blk.0.ffn_up.weight": (F, C),
+              "blk.0.ffn_down.weight": (C, F)}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in [("block_count", 1), ("context_length", 128), ("embedding_length", C),
+                       ("feed_forward_length", F), ("attention.head_count", H), ("attention.head_count_kv", Hkv),
+                       ("vocab_size", V)]:
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    rng = np.random.default_rng(0)
+    for name, (n, k) in shapes.items():
+        kind = types.get(name, "F32")
+        data = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        if kind in K_QUANTS:  # gguf-py cannot quantise K-quants: random blocks with sane fp16 scales
+            size, scales = K_QUANTS[kind]
+            blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+            for at, value in scales:
+                blocks[..., at : at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+            w.add_tensor(name, blocks.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif kind == "F32":
+            w.add_tensor(name, data)
+        elif kind == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(C)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path):
+    """Q4_0, Q4_1, Q4_K and Q8_0 keep their exact values in the 4- and 8-bit formats; other types (F16, Q5_0, Q6_K)
+    and mixed fused projections run in bf16, i.e. their dequantised values rounded to bf16."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from specwise.engine import gguf
+    from specwise.engine.model import ModelConfig
+    from specwise.engine.native import NativeDecoder, from_gguf
+
+    types = {"token_embd.weight": "Q8_0", "output.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_0",
+             "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_1", "blk.0.attn_output.weight": "Q8_0",
+             "blk.0.ffn_gate.weight": "F16", "blk.0.ffn_up.weight": "Q5_0", "blk.0.ffn_down.weight": "Q4_K"}
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, types)
+    reader = GGUFReader(str(path))
+    raw = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+           for t in reader.tensors}
+    cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
+    weights = from_gguf(reader, path, cfg)
+    layer = weights.layers[0]
+    q, k = gguf.unpermute(raw["blk.0.attn_q.weight"], 4), gguf.unpermute(raw["blk.0.attn_k.weight"], 2)
+    qkv = torch.cat([q, k, raw["blk.0.attn_v.weight"]])
+    assert layer.qkv.fmt == K.Q4 and torch.equal(layer.qkv.dequantize(), qkv)
+    assert layer.o.fmt == K.Q8 and torch.equal(layer.o.dequantize(), raw["blk.0.attn_output.weight"])
+    assert layer.down.fmt == K.Q4 and torch.equal(layer.down.dequantize(), raw["blk.0.ffn_down.weight"])
+    gate_up = torch.cat([raw["blk.0.ffn_gate.weight"], raw["blk.0.ffn_up.weight"]])
+    assert layer.gate_up.fmt == K.BF16 and torch.equal(layer.gate_up.dequantize(), gate_up.bfloat16().float())
+    assert weights.embed.fmt == K.Q8 and torch.equal(weights.embed.dequantize(), raw["token_embd.weight"])
+    head = raw["output.weight"].bfloat16().float()
+    assert weights.head.fmt == K.BF16 and torch.equal(weights.head.dequantize(), head)
+    assert weights.precision == "native (F16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)"
+    check_invariance(NativeDecoder(weights), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [9, 8, 7, 6, 5, 4, 3])
