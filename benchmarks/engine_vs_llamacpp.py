@@ -1,0 +1,301 @@
+"""specwise's engine against llama.cpp's `llama-server`, on the same GGUF and the same threads, in one run.
+
+Part 1, one request at a time: the copy-heavy and free-form prompts of `prompts.py`, the same token ids (specwise's
+chat template) to every system, up to 96 new tokens (stopping at EOS, as a user would), temperature 0, interleaved prompt by prompt with the
+order rotating. Systems: llama.cpp plain and with its n-gram speculation settings (one server each, `-t THREADS`),
+specwise plain and with n-gram drafting (k=auto and k=4), in-process on the CPU kernels with torch limited to the same
+threads. Times are each system's own: llama.cpp's `timings` (prompt_ms, predicted_ms), specwise's request
+statistics (prefill, decode). Prints decode and prefill tokens/s, TTFT, acceptance, and the ratios the engine issue
+sets targets for. specwise's speculative outputs are checked against its plain ones (greedy: they must be equal).
+
+Part 2, under load: the built-in workload's chat tasks at concurrency 4 (closed loop, streamed), `specwise serve`
+against `llama-server --parallel 4`, both plain; TTFT and E2E as the client sees them.
+
+`llama-server` comes from $LLAMA_SERVER, PATH, or scripts/llama-server.sh (which builds it once into the cache).
+
+    python benchmarks/engine_vs_llamacpp.py [--max-new-tokens 96] [--repeats 2] [--threads 2] [--load-tasks 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(__file__))
+from prompts import COPY_HEAVY, FREE_FORM, chat
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_NGRAM = {  # llama.cpp's n-gram speculation settings tried; the best one measured is the one compared against
+    "ngram-simple": ["--spec-type", "ngram-simple"],
+    "ngram-simple n4 m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                           "--spec-ngram-simple-size-m", "8"],
+    "ngram-simple n3 m16": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                            "--spec-ngram-simple-size-m", "16"],
+    "ngram-map-k n3": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3"],
+    "ngram-mod": ["--spec-type", "ngram-mod"],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_llama_server(path: str | None) -> str:
+    if path:
+        return path
+    done = subprocess.run([str(ROOT / "scripts" / "llama-server.sh")], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"no llama-server: {done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}: {proc.args}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    sys.exit(f"server not healthy after {timeout} s: {proc.args}")
+
+
+class Llama:
+    """One llama-server process and its /completion endpoint (token ids in, llama.cpp's own timings out)."""
+
+    def __init__(self, binary: str, gguf: Path, threads: int, extra: list[str], parallel: int = 1):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the server
+        self.proc = subprocess.Popen([binary, "-m", str(gguf), "--port", str(self.port), "-t", str(threads), "-tb",
+                                      str(threads), "-c", str(4096 * parallel), "--parallel", str(parallel), *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, self.proc)
+
+    def run(self, ids: list[int], n: int) -> dict:
+        r = httpx.post(self.url + "/completion", timeout=600, json={
+            "prompt": ids, "n_predict": n, "temperature": 0, "cache_prompt": False})
+        r.raise_for_status()
+        body = r.json()
+        t = body["timings"]
+        return {"prompt": t["prompt_n"], "prefill": t["prompt_ms"] / 1e3, "decoded": t["predicted_n"],
+                "decode": t["predicted_ms"] / 1e3, "ttft": t["prompt_ms"] / 1e3, "drafted": t.get("draft_n", 0),
+                "accepted": t.get("draft_n_accepted", 0), "steps": None, "tokens": body.get("tokens"),
+                "text": body.get("content", "")}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def run_specwise(engine, ids_prompt: list[dict], n: int) -> dict:
+    from specwise.engine import SamplingParams
+
+    r = engine.generate([ids_prompt], SamplingParams(max_new_tokens=n))[0]
+    s = r.stats
+    return {"prompt": s.prompt_tokens, "prefill": s.prefill_time, "decoded": s.generated_tokens - 1,
+            "decode": s.decode_time, "ttft": s.ttft, "drafted": s.drafted, "accepted": s.accepted,
+            "steps": s.verification_steps, "tokens": r.token_ids, "text": r.text}
+
+
+def aggregate(runs: list[dict]) -> dict:
+    drafted = sum(r["drafted"] for r in runs)
+    steps = [r["steps"] for r in runs if r["steps"] is not None]
+    return {
+        "decode": sum(r["decoded"] for r in runs) / sum(r["decode"] for r in runs),
+        "prefill": sum(r["prompt"] for r in runs) / sum(r["prefill"] for r in runs),
+        "ttft": statistics.median(r["ttft"] for r in runs),
+        "accept": sum(r["accepted"] for r in runs) / drafted if drafted else None,
+        "mal": (sum(r["accepted"] for r in runs) + sum(steps)) / sum(steps) if steps and sum(steps) else None,
+    }
+
+
+def part_one(args, binary: str, gguf: Path) -> None:
+    import torch
+
+    from specwise.engine import Engine, load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(gguf)
+    engines = {"specwise plain": Engine(target, max_batch=1),
+               "specwise ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=1),
+               "specwise ngram k=4": Engine(target, drafter="ngram", k=4, max_batch=1)}
+    llamas = {"llama.cpp plain": Llama(binary, gguf, args.threads, [])}
+    for name, extra in LLAMA_NGRAM.items():
+        llamas[f"llama.cpp {name}"] = Llama(binary, gguf, args.threads, extra)
+    systems = [*llamas, *engines]
+    tok = target.tokenizer
+    print(f"target {target.identity.name} ({target.identity.precision}), {args.threads} threads, "
+          f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); llama-server: {binary}", flush=True)
+    try:
+        for e in engines.values():  # warm-up
+            e.generate([chat("hi")], None)
+        for ll in llamas.values():
+            ll.run(tok.encode("hello"), 4)
+        results: dict[tuple[str, str], list[dict]] = {}
+        turn = 0
+        for set_name, prompts in (("copy-heavy", COPY_HEAVY), ("free-form", FREE_FORM)):
+            for _ in range(args.repeats):
+                for prompt in prompts:
+                    messages = chat(prompt)
+                    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                                     add_special_tokens=False)
+                    order = systems[turn % len(systems):] + systems[: turn % len(systems)]
+                    turn += 1
+                    for name in order:
+                        if name in engines:
+                            res = run_specwise(engines[name], messages, args.max_new_tokens)
+                        else:
+                            res = llamas[name].run(ids, args.max_new_tokens)
+                        results.setdefault((set_name, name), []).append(res)
+            report(set_name, systems, results)
+        verdict(results)
+    finally:
+        for ll in llamas.values():
+            ll.close()
+
+
+def report(set_name: str, systems: list[str], results: dict) -> None:
+    n = len(results[(set_name, systems[0])])
+    print(f"\n== {set_name}: {n} requests per system ==")
+    print(f"{'system':30} {'decode tok/s':>12} {'× llama plain':>13} {'prefill tok/s':>13} {'TTFT ms':>8} "
+          f"{'accept':>7} {'MAL':>5}")
+    base = aggregate(results[(set_name, "llama.cpp plain")])["decode"]
+    for name in systems:
+        a = aggregate(results[(set_name, name)])
+        print(f"{name:30} {a['decode']:12.1f} {a['decode'] / base:12.2f}x {a['prefill']:13.0f} "
+              f"{a['ttft'] * 1e3:8.1f} {_fmt(a['accept']):>7} {_fmt(a['mal']):>5}")
+    plain = [r["tokens"] for r in results[(set_name, "specwise plain")]]
+    for name in ("specwise ngram k=auto", "specwise ngram k=4"):
+        same = sum(a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, name)]], strict=True))
+        print(f"{name}: {same}/{len(plain)} outputs equal to specwise plain (greedy)")
+    same = sum(a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, "llama.cpp plain")]],
+                                      strict=True))
+    print(f"llama.cpp plain: {same}/{len(plain)} outputs token for token equal to specwise plain")
+
+
+def verdict(results: dict) -> None:
+    def dec(set_name: str, name: str) -> float:
+        return aggregate(results[(set_name, name)])["decode"]
+
+    best = max(LLAMA_NGRAM, key=lambda k: dec("copy-heavy", f"llama.cpp {k}"))
+    prefill = [aggregate(results[(s, name)])["prefill"] for s in ("copy-heavy", "free-form")
+               for name in ("specwise plain", "llama.cpp plain")]
+    lines = [
+        ("specwise plain / llama.cpp plain, decode (copy-heavy)",
+         dec("copy-heavy", "specwise plain") / dec("copy-heavy", "llama.cpp plain"), 1.0),
+        ("specwise plain / llama.cpp plain, decode (free-form)",
+         dec("free-form", "specwise plain") / dec("free-form", "llama.cpp plain"), 1.0),
+        ("specwise ngram k=auto / llama.cpp plain (copy-heavy)",
+         dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", "llama.cpp plain"), 2.5),
+        (f"specwise ngram k=auto / llama.cpp best n-gram ({best}) (copy-heavy)",
+         dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", f"llama.cpp {best}"), 2.0),
+        ("specwise ngram k=auto / specwise plain (free-form)",
+         dec("free-form", "specwise ngram k=auto") / dec("free-form", "specwise plain"), 0.97),
+        ("specwise / llama.cpp prefill tokens/s (copy-heavy)", prefill[0] / prefill[1], 0.8),
+        ("specwise / llama.cpp prefill tokens/s (free-form)", prefill[2] / prefill[3], 0.8),
+    ]
+    print("\n== ratios (target) ==")
+    for label, value, target in lines:
+        print(f"{label:72} {value:6.2f}x  (target ≥ {target}: {'met' if value >= target else 'MISSED'})")
+
+
+def part_two(args, binary: str, gguf: Path) -> None:
+    from specwise.harness.workload import builtin_workload
+
+    tasks = builtin_workload().tasks[: args.load_tasks]
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "specwise.cli", "serve", "--model", str(gguf), "--port",
+                              str(port), "--served-model-name", "m", "--max-batch", "4"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    llama = Llama(binary, gguf, args.threads, [], parallel=4)
+    specwise_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(specwise_url, serve)
+        print(f"\n== under load: {len(tasks)} built-in chat tasks, concurrency 4, closed loop, plain decoding ==")
+        rows = {}
+        for rnd in range(2):  # alternate which server goes first
+            for name, url in ((("specwise serve", specwise_url), ("llama-server", llama.url))[:: 1 if rnd == 0
+                                                                                              else -1]):
+                rows.setdefault(name, []).extend(closed_loop(url, tasks, args.max_new_tokens))
+        print(f"{'server':16} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'E2E p50 s':>10}")
+        for name, runs in rows.items():
+            ttft = sorted(r["ttft"] for r in runs)
+            e2e = sorted(r["e2e"] for r in runs)
+            print(f"{name:16} {statistics.median(ttft) * 1e3:12.0f} {ttft[int(0.9 * (len(ttft) - 1))] * 1e3:12.0f} "
+                  f"{statistics.median(e2e):10.2f}")
+        ratio = statistics.median(r["ttft"] for r in rows["specwise serve"]) / statistics.median(
+            r["ttft"] for r in rows["llama-server"])
+        print(f"TTFT p50 specwise / llama.cpp at concurrency 4: {ratio:.2f}x (target ≤ 1.5: "
+              f"{'met' if ratio <= 1.5 else 'MISSED'})")
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+        llama.close()
+
+
+def closed_loop(url: str, tasks, max_tokens: int) -> list[dict]:
+    def one(task) -> dict:
+        t0 = time.perf_counter()
+        first = None
+        body = {"model": "m", "messages": [dict(m) for m in task.messages or ()] or
+                [{"role": "user", "content": task.prompt}],
+                "max_tokens": min(task.max_tokens, max_tokens), "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+                if delta:
+                    first = first or time.perf_counter()
+        end = time.perf_counter()
+        return {"ttft": (first or end) - t0, "e2e": end - t0}
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, tasks))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--load-tasks", type=int, default=16, help="tasks for part 2 (0 skips it)")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    args = ap.parse_args()
+    from specwise.engine.weights import embedded_model_path
+
+    gguf = Path(args.model) if args.model else embedded_model_path()
+    binary = find_llama_server(args.llama_server)
+    part_one(args, binary, gguf)
+    if args.load_tasks:
+        part_two(args, binary, gguf)
+
+
+if __name__ == "__main__":
+    main()
