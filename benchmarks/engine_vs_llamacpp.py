@@ -1,12 +1,13 @@
 """specwise's engine against llama.cpp's `llama-server`, on the same GGUF and the same threads, in one run.
 
 Part 1, one request at a time: the copy-heavy and free-form prompts of `prompts.py`, the same token ids (specwise's
-chat template) to every system, up to 96 new tokens (stopping at EOS, as a user would), temperature 0, interleaved prompt by prompt with the
-order rotating. Systems: llama.cpp plain and with its n-gram speculation settings (one server each, `-t THREADS`),
-specwise plain and with n-gram drafting (k=auto and k=4), in-process on the CPU kernels with torch limited to the same
-threads. Times are each system's own: llama.cpp's `timings` (prompt_ms, predicted_ms), specwise's request
-statistics (prefill, decode). Prints decode and prefill tokens/s, TTFT, acceptance, and the ratios the engine issue
-sets targets for. specwise's speculative outputs are checked against its plain ones (greedy: they must be equal).
+chat template) to every system, up to 96 new tokens (stopping at EOS, as a user would), temperature 0, interleaved
+prompt by prompt with the order rotating. Systems: llama.cpp plain and with its n-gram speculation settings (one
+server each, `-t THREADS`), specwise plain and with n-gram drafting (k=auto and k=4), in-process on the CPU kernels
+with torch limited to the same threads. Times are each system's own: llama.cpp's `timings` (prompt_ms,
+predicted_ms), specwise's request statistics (prefill, decode). Prints decode and prefill tokens/s, TTFT,
+acceptance, and the ratios the engine issue sets targets for. specwise's speculative outputs are checked against its
+plain ones (greedy: they must be equal).
 
 Part 2, under load: the built-in workload's chat tasks at concurrency 4 (closed loop, streamed), `specwise serve`
 against `llama-server --parallel 4`, both plain; TTFT and E2E as the client sees them.

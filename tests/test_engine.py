@@ -293,3 +293,29 @@ def test_seeded_sampling_is_reproducible(tiny):
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
     runs = [Engine(tiny, drafter="ngram", k=3).generate("abc abc", params)[0].token_ids for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+# --- chunked prefill ------------------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_changes_no_output(precise):
+    """Prompts taken a few tokens per pass, beside decoding rows, give the same greedy tokens as whole."""
+    name, target, alone = precise
+    chunked = Engine(target, drafter="ngram", k=3, max_batch=3, prefill_chunk=5).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in chunked] == alone, name
+
+
+def test_an_arriving_prompt_does_not_stall_decoding(tiny):
+    """While a long prompt is taken in chunks, the running sequence gains a token at every step."""
+    engine = Engine(tiny, max_batch=2, prefill_chunk=8)
+    first = engine.submit("abc abc", SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()  # its prompt (and first token)
+    engine.submit("the cat sat on the mat. " * 4, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    steps_with_progress, late = 0, None
+    for i in range(12):
+        events = engine.step()
+        steps_with_progress += any(e.request_id == first and e.token_ids for e in events)
+        if late is None and any(e.request_id != first for e in events):
+            late = i  # the step that completed the long prompt
+    assert late is not None and late >= 10  # 97 prompt tokens, 8 per step
+    assert steps_with_progress == 12

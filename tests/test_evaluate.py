@@ -84,8 +84,10 @@ def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path
 
 
 def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, tmp_path):
-    args = [sys.executable, "-m", "specwise.cli", "evaluate", "--model", str(long_ctx_model), "--tasks", "10",
-            "--concurrency", "1", "--max-tokens", "48", "--out", str(tmp_path), "--no-progress"]
+    # 40 tasks × 2 configurations of up to 256 tokens: long enough (seconds, even on the fast kernels) to be killed
+    # part way through.
+    args = [sys.executable, "-m", "specwise.cli", "evaluate", "--model", str(long_ctx_model), "--tasks", "0",
+            "--concurrency", "1", "--max-tokens", "256", "--out", str(tmp_path), "--no-progress"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     db = tmp_path / "run.db"
     deadline = time.time() + 300
@@ -98,21 +100,21 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
                 count = 0
             if count >= 4:
                 break
-        time.sleep(0.2)
+        time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = {tuple(r) for r in sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests")}
-    assert 4 <= len(before) < 20
-    again = cli("evaluate", "--model", long_ctx_model, "--tasks", 10, "--concurrency", 1, "--max-tokens", 48,
+    assert 4 <= len(before) < 80
+    again = cli("evaluate", "--model", long_ctx_model, "--tasks", 0, "--concurrency", 1, "--max-tokens", 256,
                 "--out", tmp_path, "--no-progress", check=False)
     assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix into an existing run
-    cli("evaluate", "--model", long_ctx_model, "--tasks", 10, "--concurrency", 1, "--max-tokens", 48,
+    cli("evaluate", "--model", long_ctx_model, "--tasks", 0, "--concurrency", 1, "--max-tokens", 256,
         "--out", tmp_path, "--no-progress", "--resume")
     rows = sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests").fetchall()
-    assert len(rows) == len(set(rows)) == 20  # 10 tasks × 2 configurations, each once
+    assert len(rows) == len(set(rows)) == 80  # 40 tasks × 2 configurations, each once
     assert before <= set(rows)
-    differs = cli("evaluate", "--model", long_ctx_model, "--tasks", 9, "--concurrency", 1, "--max-tokens", 48,
+    differs = cli("evaluate", "--model", long_ctx_model, "--tasks", 9, "--concurrency", 1, "--max-tokens", 256,
                   "--out", tmp_path, "--no-progress", "--resume", check=False)
     assert differs.returncode == 2 and "differs in: workload" in differs.stderr
 

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
     srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
+    srv.add_argument("--prefill-chunk", type=int, default=128,
+                     help="prompt tokens a step takes while other requests decode (default 128): smaller keeps "
+                          "streams smoother when requests arrive, larger gives a lower time to first token")
     srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     srv.add_argument("--device", default="cpu")
     _precision_flags(srv)

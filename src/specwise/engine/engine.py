@@ -26,6 +26,8 @@ from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
 
 DEFAULT_MAX_LEN = 2048
+PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
+PREFILL_IDLE = 1024  # prompt tokens a pass takes when nothing else is running
 PAD_MARGIN = 2 * K_MAX + 2  # cache positions past max_len that padded rows of a batch may write to
 Prompt = str | list[dict]
 
@@ -80,6 +82,9 @@ class Sequence:
     text: str = ""
     streamed: int = 0  # characters of text already sent in events
     finish_reason: str | None = None
+    prefilled: int = 0  # prompt tokens whose keys and values are in the cache
+    admitted: float = 0.0
+    prefill_started: float = 0.0
 
     @property
     def output_ids(self) -> list[int]:
@@ -90,9 +95,13 @@ class Engine:
     """Draft-and-verify generation on a loaded target; without a drafter it is the plain-decoding baseline."""
 
     def __init__(self, target: LoadedModel, drafter: str | Drafter | None = None, k: int | str = 4,
-                 max_batch: int = 8, max_len: int | None = None, k_max: int = 8):
+                 max_batch: int = 8, max_len: int | None = None, k_max: int = 8, prefill_chunk: int = PREFILL_CHUNK):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecwiseError(f"max_batch={max_batch!r} is not allowed: it must be an integer ≥ 1")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise SpecwiseError(f"prefill_chunk={prefill_chunk!r} is not allowed: it must be an integer ≥ 1 (prompt "
+                                "tokens per pass while other requests decode)")
+        self.prefill_chunk = prefill_chunk
         model_ctx = getattr(target.model, "max_len", None) or DEFAULT_MAX_LEN
         self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
         if self.max_len < 2:
@@ -235,32 +244,39 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[StreamEvent]:
-        """Admit what fits, then one draft → verify → commit round for every running sequence."""
-        events: list[StreamEvent] = []
+        """Admit what fits, then one pass: a draft → verify → commit round for every decoding sequence, plus the next
+        chunk of every admitted prompt (a sequence whose prompt completes gets its first token)."""
         self.last_step_rows: list[tuple[int, int]] = []  # (drafted, accepted) per decoded row, for metrics
         while self.waiting and self.free_slots:
-            events.append(self._prefill(self.waiting.popleft()))
-        decoding = [s for s in self.running if s.finish_reason is None]
-        if decoding:
-            events += self._decode(decoding)
+            self._admit(self.waiting.popleft())
+        decoding = [s for s in self.running if s.finish_reason is None and s.prefilled == s.prompt_len]
+        chunks = self._prefill_chunks(bool(decoding))
+        events = self._pass(decoding, chunks) if decoding or chunks else []
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._retire(seq)
         return events
 
-    def _prefill(self, seq: Sequence) -> StreamEvent:
+    def _admit(self, seq: Sequence) -> None:
         seq.slot = self.free_slots.pop(0)
         self.running.append(seq)
-        start = self._now()
-        seq.stats.queue_time = start - seq.submitted
-        n = seq.prompt_len
-        last = self._forward(seq.token_ids, list(range(n)), [seq.slot] * n, [n - 1])  # (1, V)
-        token = int(last.argmax()) if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
-                                                                         seq.generator))
-        now = self._now()
-        seq.stats.prefill_time = now - start
-        seq.first_token_at = now
-        seq.stats.ttft = now - seq.submitted
-        return self._commit(seq, [token])
+        seq.admitted = self._now()
+        seq.stats.queue_time = seq.admitted - seq.submitted
+
+    def _prefill_chunks(self, busy: bool) -> list[tuple[Sequence, int, int]]:
+        """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens
+        while other sequences decode (so an arrival never stalls them for a whole prompt), up to PREFILL_IDLE tokens
+        when nothing else is running. A row's results do not depend on the pass it is in, so chunking changes no
+        output."""
+        budget = self.prefill_chunk if busy else max(self.prefill_chunk, PREFILL_IDLE)
+        chunks = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.prefilled < seq.prompt_len:
+                end = min(seq.prompt_len, seq.prefilled + budget)
+                chunks.append((seq, seq.prefilled, end))
+                budget -= end - seq.prefilled
+        return chunks
 
     def _forward(self, tokens: list[int], positions: list[int], slots: list[int], out_rows: list[int] | None = None
                  ) -> torch.Tensor:
@@ -270,9 +286,9 @@ class Engine:
                                          torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
                                          None if out_rows is None else torch.tensor(out_rows))
 
-    def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
+    def _pass(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[StreamEvent]:
         self.costs.rows = len(seqs)  # verification cost depends on the batch size as well as on k
-        ks = self._plan(seqs)
+        ks = self._plan(seqs) if seqs else []
         drafts = [Draft([]) for _ in seqs]
         draft_time = [0.0] * len(seqs)
         by_drafter: dict[str, list[int]] = {}
@@ -289,16 +305,29 @@ class Engine:
             for i in idx:
                 draft_time[i] = spent
         t1 = self._now()
-        # One pass over every row's pending token and draft, unpadded: row b's tokens sit at its next positions.
-        tokens, positions, slots, starts = [], [], [], []
+        # One pass, unpadded: each decoding row's pending token and draft at its next positions, then the prompt
+        # chunks; logits for every decoding token and for the last token of each prompt that completes.
+        tokens, positions, slots, out_rows, starts = [], [], [], [], []
         for seq, draft in zip(seqs, drafts, strict=True):
             starts.append(len(tokens))
             row = [seq.token_ids[-1], *draft.tokens]
+            out_rows += range(len(tokens), len(tokens) + len(row))
             tokens += row
             positions += range(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + len(row))
             slots += [seq.slot] * len(row)
-        logits = self._forward(tokens, positions, slots)
-        T = max(len(d.tokens) for d in drafts) + 1
+        firsts = []  # (sequence, row of its last prompt token among the logits)
+        for seq, a, b in chunks:
+            if seq.prefilled == 0:
+                seq.prefill_started = t1
+            tokens += seq.token_ids[a:b]
+            positions += range(a, b)
+            slots += [seq.slot] * (b - a)
+            seq.prefilled = b
+            if b == seq.prompt_len:
+                firsts.append((seq, len(out_rows)))
+                out_rows.append(len(tokens) - 1)
+        logits = self._forward(tokens, positions, slots, out_rows)
+        T = max((len(d.tokens) for d in drafts), default=0) + 1
         verdicts = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
             scores = logits[starts[b] : starts[b] + len(draft.tokens) + 1]  # (k+1, V)
@@ -308,7 +337,8 @@ class Engine:
                 verdicts.append(rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params),
                                                  seq.generator))
         t2 = self._now()
-        self.costs.observe_verify(T, t2 - t1, len(seqs))
+        if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
+            self.costs.observe_verify(T, t2 - t1, len(seqs))
         events = []
         for seq, draft, verdict, dt in zip(seqs, drafts, verdicts, draft_time, strict=True):
             if seq.controller is not None:
@@ -316,6 +346,14 @@ class Engine:
             seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
             self.last_step_rows.append((len(draft.tokens), verdict.accepted))
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
+        for seq, row in firsts:
+            last = logits[row : row + 1]  # (1, V)
+            token = int(last.argmax()) if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
+                                                                             seq.generator))
+            seq.stats.prefill_time = t2 - seq.prefill_started
+            seq.first_token_at = t2
+            seq.stats.ttft = t2 - seq.submitted
+            events.append(self._commit(seq, [token]))
         return events
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:

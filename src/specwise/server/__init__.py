@@ -24,8 +24,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
-    if args.max_queue < 1 or args.max_batch < 1:
-        raise SpecwiseError("--max-queue and --max-batch must be ≥ 1")
+    if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
+        raise SpecwiseError("--max-queue, --max-batch and --prefill-chunk must be ≥ 1")
     if args.max_body < 1024:
         raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
     if args.api_key is not None and not args.api_key.strip():
@@ -61,7 +61,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from specwise.server.app import ServerState, create_app
 
     target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
-    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len)
+    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len,
+                    prefill_chunk=args.prefill_chunk)
     for spec in drafters:
         engine.add_drafter(spec)
     name = args.served_model_name or target.identity.name.removesuffix(".gguf")
