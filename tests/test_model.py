@@ -94,10 +94,35 @@ def test_embedded_logits_match_transformers(embedded):
 
 
 @pytest.mark.cuda
+def test_cuda_refuses_speculation_until_its_steps_are_batch_invariant(tiny_dir):
+    from specwise.engine import Engine
+    from specwise.errors import SpecwiseError
+
+    target = load_target(tiny_dir, device="cuda")
+    assert target.identity.precision == "bfloat16"
+    Engine(target).generate("abc", None)  # plain decoding runs
+    with pytest.raises(SpecwiseError, match="not batch-invariant"):
+        Engine(target, drafter="ngram")
+
+
+def test_the_reference_decoder_refuses_speculation(tiny_dir):
+    """The torch decoder (CUDA, or the CPU without a C compiler) picks kernels by shape: speculation is refused."""
+    from specwise.engine import Engine, SamplingParams
+    from specwise.errors import SpecwiseError
+
+    target = load_target(tiny_dir, reference=True)
+    plain = Engine(target).generate("abc", SamplingParams(max_new_tokens=8))[0]
+    assert plain.token_ids == Engine(load_target(tiny_dir, dtype="float32")).generate(
+        "abc", SamplingParams(max_new_tokens=8))[0].token_ids
+    with pytest.raises(SpecwiseError, match="not batch-invariant"):
+        Engine(target, drafter="ngram")
+
+
+@pytest.mark.cuda
 def test_cuda_logits_match_cpu(tiny_dir):
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     cpu = our_logits(load_target(tiny_dir, dtype="float32").model, ids)
-    gpu_model = load_target(tiny_dir, device="cuda").model
+    gpu_model = load_target(tiny_dir, device="cuda", dtype="float32").model
     cache = gpu_model.new_cache(1, 64)
     gpu = gpu_model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache, [0])
     assert (gpu.cpu() - cpu).abs().max().item() < 1e-3

@@ -110,7 +110,7 @@ def _head_count(reader, arch: str, gguf_name: str) -> int | None:
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+    return raw.copy().view(np.float16)[..., 0]
 
 
 def decode(t) -> tuple[str, dict[str, torch.Tensor]]:
@@ -128,14 +128,14 @@ def decode(t) -> tuple[str, dict[str, torch.Tensor]]:
             return "q8", {"q": torch.from_numpy(q), "d": torch.from_numpy(d)}
         qs = blocks[..., -16:]
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
-        m = -8.0 * d if kind == "Q4_0" else _f16(blocks[..., 2:4])
-        return "q4", {"q": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m.astype(np.float32))}
+        m = (np.float16(-8.0) * d) if kind == "Q4_0" else _f16(blocks[..., 2:4])  # exact: a power of two
+        return "q4", {"q": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
     if kind == "Q4_K":
         from gguf.quants import Q4_K
 
         blocks = data.reshape(n, -1, 144)
         nsb = blocks.shape[1]
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
         sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(n * nsb, 12))
         sc, mn = sc.reshape(n, nsb, 8).astype(np.float32), mn.reshape(n, nsb, 8).astype(np.float32)
         qs = blocks[..., 16:144].reshape(n, nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
@@ -168,9 +168,9 @@ def dequantized(kind: str, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
         return arrays["w"]
     q = arrays["q"].float()
     n, k = q.shape
-    w = q.reshape(n, k // 32, 32) * arrays["d"][..., None]
+    w = q.reshape(n, k // 32, 32) * arrays["d"].float()[..., None]
     if kind == "q4":
-        w = w + arrays["m"][..., None]
+        w = w + arrays["m"].float()[..., None]
     return w.reshape(n, k)
 
 

