@@ -27,3 +27,16 @@ FREE_FORM = [
 
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+# General conversation, where n-gram drafts rarely match: what adaptive k must not make slower.
+CHAT = [
+    *FREE_FORM,
+    "How do I politely decline a meeting invitation from my manager?",
+    "What should I pack for a weekend hiking trip in the mountains?",
+    "Can you suggest a name for a small bakery that sells sourdough bread?",
+    "Explain the difference between a virus and a bacterium in simple terms.",
+    "I have eggs, spinach and cheese. What can I cook for dinner?",
+    "Write a haiku about the first snow of winter.",
+    "What are some tips for sleeping better at night?",
+    "Why do cats purr?",
+]

@@ -11,7 +11,11 @@ are about:
 - baseline throughput at concurrency 8 over concurrency 1 (target ≥ 3×);
 - auto over the better of on and off at every level (target ≥ 0.95).
 
+`--workload chat` sends general conversation prompts instead (benchmarks/prompts.py CHAT), where n-gram drafts rarely
+match: there the question is what speculation costs, at worst.
+
     python benchmarks/serve_load.py [--levels 1,2,4,8,16] [--max-tokens 48] [--rounds 1] [--threshold auto]
+                                    [--workload summary|chat]
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import httpx
 from specwise.harness.backends import Config, Request
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import Load
-from specwise.harness.workload import builtin_workload
+from specwise.harness.workload import Task, builtin_workload
+
+sys.path.insert(0, os.path.dirname(__file__))
+from prompts import CHAT
 
 MODES = ("never", "always", "auto")
 
@@ -75,11 +82,17 @@ def main() -> None:
                                                              "from a calibration round of on and off")
     ap.add_argument("--requests", type=int, default=8, help="requests per phase at levels below 8 (default 8); "
                                                              "2 × the level above")
+    ap.add_argument("--workload", default="summary", choices=["summary", "chat"],
+                    help="the built-in workload's summary tasks (default) or general chat prompts")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "specwise-serve-load"
     log_dir.mkdir(exist_ok=True)
-    tasks = [t for t in builtin_workload().tasks if "summary" in t.groups][: max(2 * max(levels), args.requests)]
+    if args.workload == "chat":
+        tasks = [Task(f"chat{i}", ("chat",), args.max_tokens, messages=({"role": "user", "content": p},))
+                 for i, p in enumerate(CHAT)]
+    else:
+        tasks = [t for t in builtin_workload().tasks if "summary" in t.groups][: max(2 * max(levels), args.requests)]
     ports = {m: free_port() for m in MODES}
     procs = {m: start(m, ports[m], args.threshold, max(levels), log_dir) for m in MODES[:2]}
     try:
@@ -134,7 +147,8 @@ def main() -> None:
 
 
 def report(levels: list[int], results: dict, args) -> None:
-    print(f"\nspecwise serve, embedded SmolLM2-135M, {args.max_tokens} tokens per request, copy-heavy chat "
+    kind = "general chat" if args.workload == "chat" else "summary (copy-heavy) chat"
+    print(f"\nspecwise serve, embedded SmolLM2-135M, {args.max_tokens} tokens per request, {kind} "
           f"requests, rounds={args.rounds}, auto threshold {args.threshold}")
     print(f"{'conc':>4} | {'tok/s off':>9} {'on':>7} {'auto':>7} | {'p50 off':>7} {'on':>6} {'auto':>6} | "
           f"{'p99 off':>7} {'on':>6} {'auto':>6} | {'on/off':>6} {'auto/best':>9} | {'accept on':>9}")

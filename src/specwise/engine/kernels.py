@@ -1,9 +1,10 @@
 """The native CPU kernels (csrc/kernels.c): built once per machine with the system C compiler, loaded with ctypes.
 
 The library is compiled with `-march=native` into the cache (keyed by the source, the compiler and this CPU's
-features), the first time a model runs on the CPU; later processes load it in milliseconds. It links OpenMP by the
-soname torch already loaded, so both share one thread pool. Weights are packed here into the kernels' 32-column
-block layouts (see the C file's header); `PackedLinear` keeps the tensors alive and hands the kernels pointers.
+features), the first time a model runs on the CPU; later processes load it in milliseconds. It runs its parallel
+sections on a small thread pool of its own (as many threads as torch is set to use). Weights are packed here into
+the kernels' 32-column block layouts (see the C file's header); `PackedLinear` keeps the tensors alive and hands the
+kernels pointers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specwise.errors import SpecwiseError
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 ABI = 2
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC"]
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
 

@@ -15,13 +15,19 @@
  *
  * Written with GCC vector extensions so one source compiles to AVX-512, AVX2 or NEON with -march=native;
  * fused multiply-adds come from contraction (-ffp-contract=fast), the same in every instantiation.
+ *
+ * Threads come from a small pool of our own whose workers spin between the ~150 parallel sections of a forward
+ * pass: OpenMP's throttles its spinning as soon as two threads each start parallel regions (the server's engine
+ * thread and the main thread that loaded the model), and every section then paid a futex wake-up (4× slower steps).
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -226,6 +232,104 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   return (uint16_t)(u >> 16);
 }
 
+
+/* ------------------------------------------------------------------------------------------ thread pool */
+
+#define MAX_THREADS 64
+#define SPIN_NS 200000L /* a worker spins this long for the next section before it sleeps */
+
+typedef void (*task_fn)(void* ctx, int t, int T); /* the part t of T of a parallel section */
+
+static struct {
+  pthread_mutex_t run_lock; /* one parallel section at a time, whoever calls */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int started;
+  _Atomic unsigned long gen; /* bumped to start a section */
+  _Atomic int pending;       /* workers that have not finished the current section */
+  _Atomic int sleepers;
+  task_fn fn;
+  void* ctx;
+  int T;
+} pool = {.run_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+typedef struct {
+  int id;              /* runs part id+1 */
+  unsigned long seen;  /* the generation when it was created: it joins the next section */
+} worker_arg;
+static worker_arg worker_args[MAX_THREADS];
+
+static long now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
+static void* worker(void* arg) {
+  const int id = ((const worker_arg*)arg)->id;
+  unsigned long seen = ((const worker_arg*)arg)->seen;
+  for (;;) {
+    long start = now_ns();
+    int spins = 0;
+    while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
+      cpu_relax();
+      if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+        pthread_mutex_lock(&pool.mu);
+        atomic_fetch_add(&pool.sleepers, 1);
+        while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+        atomic_fetch_sub(&pool.sleepers, 1);
+        pthread_mutex_unlock(&pool.mu);
+        break;
+      }
+    }
+    seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+    if (id + 1 < pool.T) pool.fn(pool.ctx, id + 1, pool.T);
+    atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+  }
+  return NULL;
+}
+
+/* Run fn(ctx, t, T) for t = 0..T-1, part 0 in the calling thread. */
+static void parallel(task_fn fn, void* ctx, int T) {
+  if (T > MAX_THREADS) T = MAX_THREADS;
+  if (T <= 1) {
+    fn(ctx, 0, 1);
+    return;
+  }
+  pthread_mutex_lock(&pool.run_lock);
+  while (pool.started < T - 1) {
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    worker_args[pool.started] = (worker_arg){pool.started, atomic_load(&pool.gen)};
+    if (pthread_create(&th, &attr, worker, &worker_args[pool.started]) != 0) break;
+    pool.started++;
+  }
+  if (T - 1 > pool.started) T = pool.started + 1;
+  pool.fn = fn;
+  pool.ctx = ctx;
+  pool.T = T;
+  atomic_store(&pool.pending, pool.started);
+  atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+  if (atomic_load(&pool.sleepers) > 0) {
+    pthread_mutex_lock(&pool.mu);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+  }
+  fn(ctx, 0, T);
+  while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+  pthread_mutex_unlock(&pool.run_lock);
+}
+
 /* ------------------------------------------------------------------------------------------------ GEMM */
 
 /* Software prefetch this many bytes ahead in a block's weight stream (one per cache line): measured here, it halves
@@ -377,6 +481,32 @@ typedef struct { gemm_fn wide, one; int B; } row_kernels;
    {gemm_##FMT##_5x1, gemm_##FMT##_5x1, 1}, {gemm_##FMT##_6x1, gemm_##FMT##_6x1, 1}}
 static const row_kernels GEMM[4][MAX_ROWS] = {ROW_TABLE(F32), ROW_TABLE(BF16), ROW_TABLE(Q8), ROW_TABLE(Q4)};
 
+typedef struct {
+  const sw_linear* L;
+  const row_kernels* table;
+  const float* x;
+  int M, ldx;
+  const float* xs;
+  float* y;
+  int ldy, accumulate;
+} gemm_job;
+
+static void gemm_part(void* ctx, int t, int T) {
+  const gemm_job* j = ctx;
+  const int nb = j->L->nblocks, KB = j->L->k / 32;
+  const int lo = (int)((long)nb * t / T), hi = (int)((long)nb * (t + 1) / T);
+  for (int m0 = 0; m0 < j->M; m0 += MAX_ROWS) {
+    const int R = j->M - m0 < MAX_ROWS ? j->M - m0 : MAX_ROWS;
+    const row_kernels* rk = &j->table[R - 1];
+    const float* xr = j->x + (size_t)m0 * j->ldx;
+    const float* sr = j->xs + (size_t)m0 * KB;
+    float* yr = j->y + (size_t)m0 * j->ldy;
+    int blk = lo;
+    for (; blk + rk->B <= hi; blk += rk->B) rk->wide(j->L, xr, j->ldx, sr, yr, j->ldy, blk, j->accumulate);
+    for (; blk < hi; blk++) rk->one(j->L, xr, j->ldx, sr, yr, j->ldy, blk, j->accumulate);
+  }
+}
+
 /* y (M×n) = x (M×k) · Wᵀ (+ bias), or y += that when accumulate. Threads own contiguous ranges of column blocks;
  * K is never split, so no result depends on the thread count either. */
 void sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads) {
@@ -395,21 +525,8 @@ void sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int l
       }
   }
   if (nthreads > nb) nthreads = nb;
-#pragma omp parallel num_threads(nthreads) if (work > 32768 && nthreads > 1)
-  {
-    const int T = omp_get_num_threads(), t = omp_get_thread_num();
-    const int lo = (int)((long)nb * t / T), hi = (int)((long)nb * (t + 1) / T);
-    for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
-      const int R = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-      const row_kernels* rk = &table[R - 1];
-      const float* xr = x + (size_t)m0 * ldx;
-      const float* sr = xs + (size_t)m0 * KB;
-      float* yr = y + (size_t)m0 * ldy;
-      int blk = lo;
-      for (; blk + rk->B <= hi; blk += rk->B) rk->wide(L, xr, ldx, sr, yr, ldy, blk, accumulate);
-      for (; blk < hi; blk++) rk->one(L, xr, ldx, sr, yr, ldy, blk, accumulate);
-    }
-  }
+  gemm_job job = {L, table, x, M, ldx, xs, y, ldy, accumulate};
+  parallel(gemm_part, &job, work > 32768 ? nthreads : 1);
   if (xs != xs_small) free(xs);
 }
 
@@ -577,6 +694,41 @@ ATTEND_N(1) ATTEND_N(2) ATTEND_N(3) ATTEND_N(4) ATTEND_N(5) ATTEND_N(6) ATTEND_N
 typedef void (*attend_fn)(const float* const*, const int*, int, const sw_kv*, size_t, float, float*, float* const*);
 static const attend_fn ATTEND[QC] = {attend_1, attend_2, attend_3, attend_4, attend_5, attend_6, attend_7, attend_8};
 
+typedef struct {
+  const float* qkv;
+  int ldq;
+  const int64_t* pos;
+  const int32_t* slot;
+  int H, Hkv, D;
+  const sw_kv* kv;
+  float* out;
+  int ldo;
+  float* scratch;
+  const int* run_start;
+  int nruns;
+} attention_job;
+
+static void attention_part(void* ctx, int t, int T) {
+  const attention_job* j = ctx;
+  const int H = j->H, D = j->D, group = j->H / j->Hkv, units = j->nruns * H;
+  const float scale = 1.0f / sqrtf((float)D);
+  float* s = j->scratch + (size_t)t * QC * (j->kv->max_len + 16);
+  for (int u = (int)((long)units * t / T); u < (int)((long)units * (t + 1) / T); u++) {
+    const int r = u / H, h = u % H, g = h / group;
+    const int a = j->run_start[r], nq = j->run_start[r + 1] - a;
+    const float* qs[QC];
+    float* outs[QC];
+    int n[QC];
+    for (int i = 0; i < nq; i++) {
+      qs[i] = j->qkv + (size_t)(a + i) * j->ldq + (size_t)h * D;
+      outs[i] = j->out + (size_t)(a + i) * j->ldo + (size_t)h * D;
+      n[i] = (int)j->pos[a + i] + 1;
+    }
+    const size_t base = (size_t)j->slot[a] * j->kv->slot_stride + (size_t)g * j->kv->head_stride;
+    ATTEND[nq - 1](qs, n, D, j->kv, base, scale, s, outs);
+  }
+}
+
 /* RoPE on the queries and keys of qkv rows (in place), write keys and values into the cache at each token's
  * (slot, position), then attend: token i sees positions 0..pos[i] of its slot. Causality comes from positions, so
  * a pass may hold any mix of prompt chunks, one-token steps and drafts. Work is split over (run of up to QC
@@ -609,24 +761,8 @@ void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t*
   for (int i = 0; i < M; i++)
     if (i == 0 || slot[i] != slot[i - 1] || i - run_start[nruns - 1] == QC) run_start[nruns++] = i;
   run_start[nruns] = M;
-  const float scale = 1.0f / sqrtf((float)D);
-  const int group = H / Hkv;
-  const size_t per_thread = (size_t)QC * (kv->max_len + 16);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nruns * H > 1)
-  for (int u = 0; u < nruns * H; u++) {
-    const int r = u / H, h = u % H, g = h / group;
-    const int a = run_start[r], nq = run_start[r + 1] - a;
-    const float* qs[QC];
-    float* outs[QC];
-    int n[QC];
-    for (int i = 0; i < nq; i++) {
-      qs[i] = qkv + (size_t)(a + i) * ldq + (size_t)h * D;
-      outs[i] = out + (size_t)(a + i) * ldo + (size_t)h * D;
-      n[i] = (int)pos[a + i] + 1;
-    }
-    const size_t base = (size_t)slot[a] * kv->slot_stride + (size_t)g * kv->head_stride;
-    ATTEND[nq - 1](qs, n, D, kv, base, scale, scratch + (size_t)omp_get_thread_num() * per_thread, outs);
-  }
+  attention_job job = {qkv, ldq, pos, slot, H, Hkv, D, kv, out, ldo, scratch, run_start, nruns};
+  parallel(attention_part, &job, nruns * H > 1 ? nthreads : 1);
 }
 
 /* ------------------------------------------------------------------------------------------ the decoder */
