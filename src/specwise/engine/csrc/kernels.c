@@ -463,11 +463,12 @@ static inline void store_block(const sw_linear* L, float* y, int ldy, int blk, c
   }
 }
 
-#define MAX_ROWS 6
+#define MAX_ROWS 8
 
 #define DEFINE_FMT(FMT)                                                                                      \
   DEFINE_GEMM(FMT, 1, 4) DEFINE_GEMM(FMT, 1, 1) DEFINE_GEMM(FMT, 2, 2) DEFINE_GEMM(FMT, 2, 1)                \
-  DEFINE_GEMM(FMT, 3, 1) DEFINE_GEMM(FMT, 4, 1) DEFINE_GEMM(FMT, 5, 1) DEFINE_GEMM(FMT, 6, 1)
+  DEFINE_GEMM(FMT, 3, 1) DEFINE_GEMM(FMT, 4, 1) DEFINE_GEMM(FMT, 5, 1) DEFINE_GEMM(FMT, 6, 1)                \
+  DEFINE_GEMM(FMT, 7, 1) DEFINE_GEMM(FMT, 8, 1)
 DEFINE_FMT(F32)
 DEFINE_FMT(BF16)
 DEFINE_FMT(Q8)
@@ -478,7 +479,8 @@ typedef struct { gemm_fn wide, one; int B; } row_kernels;
 #define ROW_TABLE(FMT)                                                                                       \
   {{gemm_##FMT##_1x4, gemm_##FMT##_1x1, 4}, {gemm_##FMT##_2x2, gemm_##FMT##_2x1, 2},                         \
    {gemm_##FMT##_3x1, gemm_##FMT##_3x1, 1}, {gemm_##FMT##_4x1, gemm_##FMT##_4x1, 1},                         \
-   {gemm_##FMT##_5x1, gemm_##FMT##_5x1, 1}, {gemm_##FMT##_6x1, gemm_##FMT##_6x1, 1}}
+   {gemm_##FMT##_5x1, gemm_##FMT##_5x1, 1}, {gemm_##FMT##_6x1, gemm_##FMT##_6x1, 1},                         \
+   {gemm_##FMT##_7x1, gemm_##FMT##_7x1, 1}, {gemm_##FMT##_8x1, gemm_##FMT##_8x1, 1}}
 static const row_kernels GEMM[4][MAX_ROWS] = {ROW_TABLE(F32), ROW_TABLE(BF16), ROW_TABLE(Q8), ROW_TABLE(Q4)};
 
 typedef struct {
