@@ -12,6 +12,10 @@ plain ones (greedy: they must be equal).
 Part 2, under load: the built-in workload's chat tasks at concurrency 4 (closed loop, streamed), `specwise serve`
 against `llama-server --parallel 4`, both plain; TTFT and E2E as the client sees them.
 
+Part 3, what adaptive speculation costs where it cannot help: general chat prompts (prompts.py CHAT), in-process,
+closed loop at concurrency 1 and 4, specwise plain against n-gram k=auto on one loaded model, phases interleaved over
+several rounds; generated tokens per second (prefill included) and their ratio.
+
 `llama-server` comes from $LLAMA_SERVER, PATH, or scripts/llama-server.sh (which builds it once into the cache).
 
     python benchmarks/engine_vs_llamacpp.py [--max-new-tokens 96] [--repeats 2] [--threads 2] [--load-tasks 16]
@@ -34,7 +38,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from prompts import COPY_HEAVY, FREE_FORM, chat
+from prompts import CHAT, COPY_HEAVY, FREE_FORM, chat
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_NGRAM = {  # llama.cpp's n-gram speculation settings tried; the best one measured is the one compared against
@@ -254,6 +258,45 @@ def part_two(args, binary: str, gguf: Path) -> None:
         llama.close()
 
 
+def part_three(args, gguf: Path) -> None:
+    import torch
+
+    from specwise.engine import Engine, SamplingParams, load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(gguf)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    print(f"\n== general chat, in-process, closed loop: plain against n-gram k=auto, {args.chat_rounds} rounds ==")
+    for conc in (1, 4):
+        engines = {"plain": Engine(target, max_batch=conc),
+                   "ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=conc)}
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        for rnd in range(args.chat_rounds + 1):  # round 0 warms both up (and adaptive k's acceptance history)
+            for name in (list(engines) if rnd % 2 else list(engines)[::-1]):
+                tokens, seconds = closed_loop_engine(engines[name], [chat(p) for p in CHAT], conc, params)
+                if rnd:
+                    rates[name].append(tokens / seconds)
+        plain, spec = (statistics.median(rates[n]) for n in engines)
+        print(f"concurrency {conc}: plain {plain:.1f} tok/s, ngram k=auto {spec:.1f} tok/s, ratio {spec / plain:.3f} "
+              f"(target ≥ 0.97: {'met' if spec / plain >= 0.97 else 'MISSED'})")
+
+
+def closed_loop_engine(engine, prompts: list, conc: int, params) -> tuple[int, float]:
+    """Run prompts through the engine keeping `conc` in flight; (generated tokens, seconds)."""
+    queue = list(prompts)
+    live, tokens = 0, 0
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and live < conc:
+            engine.submit(queue.pop(0), params)
+            live += 1
+        for event in engine.step():
+            if event.result is not None:
+                live -= 1
+                tokens += len(event.result.token_ids)
+    return tokens, time.perf_counter() - t0
+
+
 def closed_loop(url: str, tasks, max_tokens: int) -> list[dict]:
     def one(task) -> dict:
         t0 = time.perf_counter()
@@ -286,6 +329,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load-tasks", type=int, default=16, help="tasks for part 2 (0 skips it)")
+    ap.add_argument("--chat-rounds", type=int, default=4, help="rounds of part 3 (0 skips it)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     args = ap.parse_args()
@@ -296,6 +340,8 @@ def main() -> None:
     part_one(args, binary, gguf)
     if args.load_tasks:
         part_two(args, binary, gguf)
+    if args.chat_rounds:
+        part_three(args, gguf)
 
 
 if __name__ == "__main__":

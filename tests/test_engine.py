@@ -146,12 +146,12 @@ class FailingDrafter:
 class FrozenCosts(CostModel):
     """CPU-like costs that timing noise cannot move: a pass of T tokens costs 1 + 0.1·(T − 1)."""
 
-    def __init__(self):
+    def __init__(self, per_token: float = 0.1):
         super().__init__()
-        self.verify = {t: 1.0 + 0.1 * (t - 1) for t in range(1, 18)}
+        self.passes = {t: 1.0 + per_token * (t - 1) for t in range(1, 80)}
         self.draft_per_token = {None: 0.001}
 
-    def observe_verify(self, tokens_per_row, seconds, rows=1):
+    def observe_pass(self, tokens, seconds):
         pass
 
     def observe_draft(self, tokens, seconds, drafter=None):
@@ -169,8 +169,7 @@ def test_adaptive_k_grows_with_acceptance_and_decays_without():
 
 
 def test_adaptive_k_follows_the_cost_of_verification():
-    cheap, dear = FrozenCosts(), FrozenCosts()
-    dear.verify = {t: 1.0 + 1.0 * (t - 1) for t in range(1, 18)}  # a pass costs as much per token as decoding
+    cheap, dear = FrozenCosts(), FrozenCosts(per_token=1.0)  # dear: a pass costs as much per token as decoding
     a, b = AdaptiveK(cheap, k_max=8), AdaptiveK(dear, k_max=8)
     for c in (a, b):
         for _ in range(10):
@@ -179,15 +178,19 @@ def test_adaptive_k_follows_the_cost_of_verification():
     assert b.choose() == 0  # with α < 1 and no parallelism, drafting can only cost
 
 
-def test_batch_cap_weighs_the_padding_every_row_pays():
-    from specwise.engine.draft_length import batch_cap
+def test_plan_batch_spends_draft_tokens_where_they_pay_for_the_pass():
+    from specwise.engine.draft_length import plan_batch
 
-    costs = FrozenCosts()  # a pass of T tokens per row costs 1 + 0.1·(T − 1)
-    assert batch_cap([(0.9, 4, None)] * 8, 0, costs) == 4  # every row gains from long drafts
-    lone = batch_cap([(0.9, 4, None)], 7, costs)
-    assert 0 < lone < 4  # one drafting row among seven plain ones: a long draft pads all eight
-    assert batch_cap([(0.1, 2, None)] * 4, 0, costs) == 0  # drafts that fail are not worth any padding
-    assert batch_cap([(0.9, 4, None)], 0, CostModel()) is None  # nothing measured: no cap
+    costs = FrozenCosts()  # a pass of M tokens costs 1 + 0.1·(M − 1): cheap extra tokens, as on a CPU
+    # Eight rows at α = 0.9: the 4th draft token of a row is accepted with 0.9⁴ ≈ 0.66, under the pass's average
+    # yield per token's cost by then (≈ 0.67 / 0.1), so each row drafts 3.
+    assert plan_batch([(0.9, 4, None)] * 8, 0, costs) == [3] * 8
+    assert plan_batch([(0.1, 2, None)] * 4, 0, costs) == [0] * 4  # drafts that fail are not worth their tokens
+    mixed = plan_batch([(0.95, 6, None), (0.3, 6, None)], 2, costs)
+    assert mixed[0] > mixed[1]  # the row likelier to be accepted gets the longer draft
+    dear = FrozenCosts(per_token=0.5)  # each extra token costs half a step: only near-certain drafts pay
+    assert plan_batch([(0.9, 4, None), (0.5, 4, None)], 6, dear)[1] == 0
+    assert plan_batch([(0.9, 4, None)], 0, CostModel()) is None  # nothing measured: no plan
 
 
 def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):

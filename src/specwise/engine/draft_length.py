@@ -3,7 +3,8 @@
 With per-token acceptance α, drafting k tokens yields E(k) = (1 − α^(k+1)) / (1 − α) tokens per verification step
 (Leviathan et al. 2023) and costs draft(k) + verify(k+1) seconds, both measured on this machine (`CostModel`).
 `AdaptiveK` estimates α online for each request and picks the k with the best E(k) / cost(k); k = 0 is plain
-decoding, so a request whose drafts keep failing decays to it. It still probes with k = 1 now and then, so a
+decoding, so a request whose drafts keep failing decays to it. In a batch, `plan_batch` then spends the pass's
+draft tokens where they pay for the whole pass. It still probes with k = 1 now and then, so a
 request that starts copying again (a quoted list, a repeated heading) gets speculation back; each failed probe
 doubles the wait for the next.
 """
@@ -21,51 +22,35 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class CostModel:
-    """Measured seconds of one target pass that feeds T tokens per row to a batch of B rows, and of drafting a
-    token with each drafter. Adaptive k reads the table of the batch size the engine is running (`rows`)."""
+    """Measured seconds of a target pass over M tokens — whatever rows they belong to: passes are unpadded, so a
+    row's draft adds its own tokens and nothing else — and of drafting a token with each drafter."""
 
     def __init__(self, smoothing: float = 0.2):
-        self.tables: dict[int, dict[int, float]] = {}  # rows → T → exponentially smoothed seconds
+        self.passes: dict[int, float] = {}  # tokens in the pass → exponentially smoothed seconds
         self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token
         self.smoothing = smoothing
-        self.rows = 1  # the batch size of the step being planned
-
-    @property
-    def verify(self) -> dict[int, float]:
-        """The single-row table (what calibration measures)."""
-        return self.tables.setdefault(1, {})
-
-    @verify.setter
-    def verify(self, table: dict[int, float]) -> None:
-        self.tables[1] = dict(table)
+        self._curve: dict[int, float] = {}  # pass_cost answers since the last measurement (asked every step)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe_verify(self, tokens_per_row: int, seconds: float, rows: int = 1) -> None:
-        table = self.tables.setdefault(rows, {})
-        table[tokens_per_row] = self._ema(table.get(tokens_per_row), seconds)
+    def observe_pass(self, tokens: int, seconds: float) -> None:
+        self.passes[tokens] = self._ema(self.passes.get(tokens), seconds)
+        self._curve.clear()
 
     def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
         if tokens > 0:
             self.draft_per_token[drafter] = self._ema(self.draft_per_token.get(drafter), seconds / tokens)
 
-    def verify_cost(self, T: int, rows: int | None = None) -> float | None:
-        """Seconds for a pass of T tokens per row at this batch size: measured, else interpolated in T; a batch size
-        with fewer than two measured T borrows the shape of the nearest batch size that has them."""
-        rows = rows or self.rows
-        own = self.tables.get(rows, {})
-        if T in own or len(own) >= 2:
-            return _interpolate(own, T)
-        shaped = [r for r in self.tables if len(self.tables[r]) >= 2]
-        if not shaped:
-            return _interpolate(own, T) if own else (_interpolate(self.verify, T) if self.verify else None)
-        ref = self.tables[min(shaped, key=lambda r: abs(r - rows))]
-        estimate = _interpolate(ref, T)
-        if own:  # scale the borrowed shape to what this batch size measured
-            t0, seconds = next(iter(own.items()))
-            estimate *= seconds / _interpolate(ref, t0)
-        return estimate
+    def pass_cost(self, tokens: int) -> float | None:
+        """Seconds for a pass of `tokens` tokens: measured, else interpolated, never below a smaller pass's (timing
+        noise must not make a longer draft look free). None before any measurement."""
+        if not self.passes:
+            return None
+        if tokens not in self._curve:
+            self._curve[tokens] = max(_interpolate(self.passes, tokens),
+                                      *(v for m, v in self.passes.items() if m <= tokens))
+        return self._curve[tokens]
 
     def draft_cost(self, k: int, drafter: str | None = None) -> float | None:
         if k == 0:
@@ -135,7 +120,7 @@ class AdaptiveK:
     def choose(self) -> int:
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
-            verify = self.costs.verify_cost(k + 1)
+            verify = self.costs.pass_cost(k + 1)
             if verify is None:
                 return self.start_k  # no verification cost measured yet: draft a little to measure it
             draft = self.costs.draft_cost(k, self.drafter) or 0.0  # unmeasured until the first draft: take it as free
@@ -152,25 +137,33 @@ class AdaptiveK:
         return best_k
 
 
-def batch_cap(rows: list[tuple[float, int, str | None]], plain: int, costs: CostModel) -> int | None:
-    """The cap on adaptive rows' draft lengths that maximises a step's expected tokens per second.
+def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: CostModel) -> list[int] | None:
+    """Draft lengths for the drafting rows of one pass that maximise its expected tokens per second.
 
-    A batched target pass feeds every row as many tokens as the longest draft (rows are padded), so one row's long
-    draft makes all rows pay for it. `rows` are (α, chosen k, drafter) of the drafting rows, `plain` the rows that
-    decode plainly. Returns None when costs are not measured yet (no cap).
+    `rows` are (α, the row's own choice of k, drafter) and `plain` the rows that decode plainly. Starting from no
+    drafts, one more draft token goes to the row where it is likeliest to be accepted (α^(k+1)) as long as that
+    raises the pass's expected tokens per second: the pass grows by one token (its measured cost) and the drafter
+    by one step when that row's draft becomes its longest. None when no pass cost is measured yet.
     """
-    longest = max(k for _, k, _ in rows)
-    best_cap, best_rate = longest, -1.0
-    for cap in range(longest + 1):
-        verify = costs.verify_cost(cap + 1)
-        if verify is None:
-            return None
-        by_drafter: dict[str | None, int] = {}
-        for _, k, d in rows:
-            by_drafter[d] = max(by_drafter.get(d, 0), min(k, cap))
-        draft = sum(costs.draft_cost(k, d) or 0.0 for d, k in by_drafter.items())
-        tokens = plain + sum(expected_tokens(a, min(k, cap)) for a, k, _ in rows)
-        rate = tokens / (verify + draft)
-        if rate > best_rate * (1 + 1e-9):
-            best_cap, best_rate = cap, rate
-    return best_cap
+    tokens = plain + len(rows)  # every row emits at least one token
+    if costs.pass_cost(tokens) is None:
+        return None
+    ks = [0] * len(rows)
+    longest: dict[str | None, int] = {}
+    expected = float(tokens)
+    seconds = costs.pass_cost(tokens)
+    while True:
+        best = max((i for i in range(len(rows)) if ks[i] < rows[i][1]), key=lambda i: rows[i][0] ** (ks[i] + 1),
+                   default=None)
+        if best is None:
+            return ks
+        alpha, _, drafter = rows[best]
+        gain = min(alpha, 1.0) ** (ks[best] + 1)
+        extra = costs.pass_cost(tokens + 1) - costs.pass_cost(tokens)
+        if ks[best] + 1 > longest.get(drafter, 0):
+            extra += costs.draft_cost(1, drafter) or 0.0
+        if (expected + gain) / (seconds + extra) <= expected / seconds * (1 + 1e-9):
+            return ks
+        ks[best] += 1
+        longest[drafter] = max(longest.get(drafter, 0), ks[best])
+        tokens, expected, seconds = tokens + 1, expected + gain, seconds + extra

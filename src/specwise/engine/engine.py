@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK, batch_cap
+from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.sampling import SamplingParams, make_generator, probs_from_logits, sample
 from specwise.engine.stats import RequestStats
@@ -120,6 +120,9 @@ class Engine:
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.last_step_rows: list[tuple[int, int]] = []
         self._probe_wait = 0  # batch steps since a lone probe was let through (see `_plan`)
+        # Per drafter, the recent requests' per-token acceptance: where adaptive k starts a new request, so that
+        # traffic whose drafts fail (general chat) does not pay a warm-up of failing drafts on every request.
+        self.acceptance: dict[str, float] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
@@ -131,7 +134,7 @@ class Engine:
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, self.target, self.max_batch, self.cache_len)
         self.drafters.setdefault(drafter.name, drafter)
-        if not self.costs.verify:
+        if not self.costs.passes:
             self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         return self.drafters[drafter.name]
 
@@ -180,7 +183,8 @@ class Engine:
         use_spec = speculative and name is not None
         controller = None
         if use_spec:
-            controller = AdaptiveK(self.costs, self.k_max, drafter=name) if k_spec == "auto" else FixedK(k_spec)
+            controller = AdaptiveK(self.costs, self.k_max, drafter=name, prior_alpha=self.acceptance.get(name, 0.5)) \
+                if k_spec == "auto" else FixedK(k_spec)
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, len(ids), params, generator, seed, use_spec,
                        controller, self._now(), drafter=name if use_spec else None)
         seq.stats.prompt_tokens = len(ids)
@@ -287,7 +291,6 @@ class Engine:
                                          None if out_rows is None else torch.tensor(out_rows))
 
     def _pass(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[StreamEvent]:
-        self.costs.rows = len(seqs)  # verification cost depends on the batch size as well as on k
         ks = self._plan(seqs) if seqs else []
         drafts = [Draft([]) for _ in seqs]
         draft_time = [0.0] * len(seqs)
@@ -327,7 +330,6 @@ class Engine:
                 firsts.append((seq, len(out_rows)))
                 out_rows.append(len(tokens) - 1)
         logits = self._forward(tokens, positions, slots, out_rows)
-        T = max((len(d.tokens) for d in drafts), default=0) + 1
         verdicts = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
             scores = logits[starts[b] : starts[b] + len(draft.tokens) + 1]  # (k+1, V)
@@ -338,7 +340,7 @@ class Engine:
                                                  seq.generator))
         t2 = self._now()
         if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
-            self.costs.observe_verify(T, t2 - t1, len(seqs))
+            self.costs.observe_pass(len(tokens), t2 - t1)
         events = []
         for seq, draft, verdict, dt in zip(seqs, drafts, verdicts, draft_time, strict=True):
             if seq.controller is not None:
@@ -357,24 +359,27 @@ class Engine:
         return events
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
-        """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — capped at
-        what pays for the whole batch (`batch_cap`). A step whose only drafts are probes pays for one probe now and
-        then (every 8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
+        """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — what pays
+        for the whole pass (`plan_batch`). A step whose only drafts are probes pays for one probe now and then (every
+        8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
         ks = [self._draft_len(s) for s in seqs]
         drafting = [i for i, k in enumerate(ks) if k > 0]
         if len(seqs) < 2 or not drafting or not all(isinstance(seqs[i].controller, AdaptiveK) for i in drafting):
             return ks
-        cap = batch_cap([(seqs[i].controller.alpha, ks[i], seqs[i].drafter) for i in drafting],
-                        len(seqs) - len(drafting), self.costs)
-        if cap is None:
+        planned = plan_batch([(seqs[i].controller.alpha, ks[i], seqs[i].drafter) for i in drafting],
+                             len(seqs) - len(drafting), self.costs)
+        if planned is None:
             return ks
-        if cap == 0:
+        out = [0] * len(seqs)
+        for i, k in zip(drafting, planned, strict=True):
+            out[i] = k
+        if not any(planned):
             probes = [i for i in drafting if seqs[i].controller.probing]
             self._probe_wait += 1
             if probes and self._probe_wait >= 8 * len(seqs):
                 self._probe_wait = 0
-                return [1 if i == probes[0] else 0 for i in range(len(seqs))]
-        return [min(k, cap) for k in ks]
+                out[probes[0]] = 1
+        return out
 
     def _draft_len(self, seq: Sequence) -> int:
         if seq.controller is None or not self.speculate:
@@ -440,6 +445,11 @@ class Engine:
         return delta
 
     def _retire(self, seq: Sequence) -> None:
+        judged = seq.stats.accepted + seq.stats.rejections
+        if seq.drafter is not None and judged >= 4:
+            alpha = seq.stats.accepted / judged
+            old = self.acceptance.get(seq.drafter)
+            self.acceptance[seq.drafter] = alpha if old is None else 0.8 * old + 0.2 * alpha
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
@@ -457,8 +467,8 @@ class Engine:
             for _ in range(repeats):
                 t0 = self._now()
                 self._forward([0] * T, list(range(8, 8 + T)), [scratch] * T)
-                self.costs.observe_verify(T, self._now() - t0, 1)
-        return {T: self.costs.verify_cost(T, 1) for T in sizes}
+                self.costs.observe_pass(T, self._now() - t0)
+        return {T: self.costs.pass_cost(T) for T in sizes}
 
     def _now(self) -> float:
         if self.device.type == "cuda":
