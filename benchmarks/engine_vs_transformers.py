@@ -1,4 +1,5 @@
-"""specwise vs transformers on the embedded model, side by side in one process (fp32, temperature 0).
+"""specwise vs transformers on the embedded model, side by side in one process (temperature 0; specwise in the
+GGUF's own precision unless --dtype says otherwise, transformers in fp32 on the dequantised weights).
 
 Two prompt sets: copy-heavy (rewrite / extract / format: the answer reuses the input) and free-form (open
 questions, stories). Systems: specwise baseline, specwise n-gram with fixed k and with adaptive k, transformers
@@ -6,7 +7,7 @@ greedy `generate`, transformers prompt lookup. Runs are interleaved prompt by pr
 hits every system alike. Prints tokens/s, ratios measured in this run, acceptance, mean acceptance length, and the
 speedup theory predicts from the measured per-token acceptance α and the measured verification cost.
 
-    python benchmarks/engine_vs_transformers.py [--max-new-tokens 64] [--repeats 1] [--k 4]
+    python benchmarks/engine_vs_transformers.py [--max-new-tokens 64] [--repeats 1] [--k 4] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default="auto", help="specwise's precision (default auto: the GGUF's own Q4_1/Q8_0)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    target = load_target()
+    target = load_target(dtype=args.dtype)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(target.directory), dtype=torch.float32).eval()
+    fp32_dir = load_target(dtype="float32").directory  # the GGUF dequantised to fp32, as transformers runs it
+    hf = AutoModelForCausalLM.from_pretrained(str(fp32_dir), dtype=torch.float32).eval()
     engines = {
         "specwise baseline": Engine(target, max_batch=1),
         f"specwise ngram k={args.k}": Engine(target, drafter="ngram", k=args.k, max_batch=1),

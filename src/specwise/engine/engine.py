@@ -19,7 +19,7 @@ import torch
 
 from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
-from specwise.engine.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from specwise.engine.sampling import SamplingParams, greedy, make_generator, probs_from_logits, sample
 from specwise.engine.stats import RequestStats
 from specwise.engine.verify import greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
@@ -334,7 +334,7 @@ class Engine:
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
             scores = logits[starts[b] : starts[b] + len(draft.tokens) + 1]  # (k+1, V)
             if seq.params.greedy:
-                verdicts.append(greedy_verify(draft.tokens, scores.argmax(-1).tolist()))
+                verdicts.append(greedy_verify(draft.tokens, greedy(scores)))
             else:
                 verdicts.append(rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params),
                                                  seq.generator))
@@ -350,7 +350,7 @@ class Engine:
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
         for seq, row in firsts:
             last = logits[row : row + 1]  # (1, V)
-            token = int(last.argmax()) if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
+            token = greedy(last)[0] if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
                                                                              seq.generator))
             seq.stats.prefill_time = t2 - seq.prefill_started
             seq.first_token_at = t2

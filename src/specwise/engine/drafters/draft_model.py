@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specwise.engine.drafters.base import Draft, SequenceView
-from specwise.engine.sampling import probs_from_logits, sample
+from specwise.engine.sampling import greedy, probs_from_logits, sample
 
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
@@ -56,7 +56,7 @@ class ModelDrafter:
 
     def _choose(self, seq: SequenceView, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
-            return int(logits.argmax()), None
+            return greedy(logits)[0], None
         probs = probs_from_logits(logits[None], seq.params)  # (1, V)
         return int(sample(probs, seq.generator)), probs[0]
 
