@@ -319,7 +319,8 @@ static void parallel(task_fn fn, void* ctx, int T) {
   pool.ctx = ctx;
   pool.T = T;
   atomic_store(&pool.pending, pool.started);
-  atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+  atomic_fetch_add(&pool.gen, 1); /* sequentially consistent: ordered before the read of sleepers below, so a worker
+                                     going to sleep either sees the new generation or is seen and woken */
   if (atomic_load(&pool.sleepers) > 0) {
     pthread_mutex_lock(&pool.mu);
     pthread_cond_broadcast(&pool.cv);
