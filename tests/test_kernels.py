@@ -237,3 +237,16 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path):
     assert weights.head.fmt == K.BF16 and torch.equal(weights.head.dequantize(), head)
     assert weights.precision == "native (F16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)"
     check_invariance(NativeDecoder(weights), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [9, 8, 7, 6, 5, 4, 3])
+
+
+def test_thread_pool_gives_the_same_result_whether_its_workers_spin_or_sleep():
+    """Sections back to back (workers spinning) and after pauses longer than the spin (workers asleep, woken)."""
+    import time
+
+    lin = packed("q4", n=512, k=256)
+    x = torch.randn(5, lin.k)
+    ref = K.gemm(lin, x, threads=2)
+    for i in range(120):
+        if i % 3 == 0:
+            time.sleep(0.0005 * (i % 7))  # past the 200 µs spin: the worker goes to sleep
+        assert torch.equal(K.gemm(lin, x, threads=2), ref), i
