@@ -268,13 +268,14 @@ class Engine:
 
     def _prefill_chunks(self, busy: bool) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens
-        while other sequences decode (so an arrival never stalls them for a whole prompt), up to PREFILL_IDLE tokens
-        when nothing else is running. A row's results do not depend on the pass it is in, so chunking changes no
-        output."""
+        while other sequences decode (so an arrival never stalls them for a whole prompt); when nothing else runs,
+        up to PREFILL_IDLE tokens of the first waiting prompt alone (prompts cost the same taken together or one
+        after another, so the earliest gets its first token soonest). A row's results do not depend on the pass it
+        is in, so chunking changes no output."""
         budget = self.prefill_chunk if busy else max(self.prefill_chunk, PREFILL_IDLE)
         chunks = []
         for seq in self.running:
-            if budget <= 0:
+            if budget <= 0 or (chunks and not busy):
                 break
             if seq.prefilled < seq.prompt_len:
                 end = min(seq.prompt_len, seq.prefilled + budget)
