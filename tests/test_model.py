@@ -126,3 +126,14 @@ def test_cuda_logits_match_cpu(tiny_dir):
     cache = gpu_model.new_cache(1, 64)
     gpu = gpu_model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache, [0])
     assert (gpu.cpu() - cpu).abs().max().item() < 1e-3
+
+
+def test_each_precision_is_its_own_target(tiny_dir):
+    """Running weights in another precision is another target: its hash differs from the weights' own, and the
+    precision is recorded; the weights' own precision keeps the weights' hash."""
+    own = load_target(tiny_dir, dtype="float32")  # the tiny model is saved in fp32
+    assert own.identity.precision == "float32" and own.identity.sha256 == own.identity.source_sha256
+    others = [load_target(tiny_dir), load_target(tiny_dir, quantize="int4"), load_target(tiny_dir, quantize="int8")]
+    assert [t.identity.precision for t in others] == ["bfloat16", "int4", "int8"]
+    hashes = {own.identity.sha256, *(t.identity.sha256 for t in others)}
+    assert len(hashes) == 4 and all(t.identity.source_sha256 == own.identity.sha256 for t in others)
