@@ -8,18 +8,21 @@ The baseline is an evaluation run (run.db); "now" is a window of the server's re
   tests, so a change of shape counts, not only of means;
 - prompt and output length mix (KS as well);
 - the share of requests whose load (running + waiting) lay beyond the highest concurrency the run measured;
-- the realised speedup estimate: tokens per verification step × (1 − drafting share of step time).
+- the realised speedup estimate: tokens per verification step × (1 − drafting share of step time). A fall counts
+  when the traffic's per-token acceptance fell with it, or a per-request test shows it: adaptive k's draft lengths
+  depend on what the engine has seen (a fresh server drafts shorter at first), so identical traffic can yield fewer
+  tokens per step without anything having drifted.
 
 A distribution is `drifted` when its test rejects at α / (number of tests) — Bonferroni, so a window drawn from the
 baseline's own distribution raises a false alarm with probability at most α — and the change is large enough to
-matter (`MIN_EFFECT`). No torch here.
+matter (`MIN_EFFECT`; for the speedup estimate, a fall of `SPEEDUP_DROP`). No torch here.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,6 +65,7 @@ class Baseline:
     output_tokens: list[float]
     max_load: float | None
     speedup_estimate: float | None
+    speedups: list[float] = field(default_factory=list)  # per request, for the test
 
 
 @dataclass
@@ -118,7 +122,8 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
         prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],
-        max_load=max(loads) if loads else None, speedup_estimate=_speedup([r.spec for r in recs]))
+        max_load=max(loads) if loads else None, speedup_estimate=_speedup([r.spec for r in recs]),
+        speedups=[x for x in (_speedup([r.spec]) for r in recs) if x is not None])
     if key is not None:
         _BASELINES[key] = base
     return base
@@ -165,7 +170,7 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
            "prompt tokens": [s["prompt"] for s in samples], "output tokens": [s["output"] for s in samples]}
     then = {"acceptance rate": base.acceptance_rate, "acceptance length": base.acceptance_length,
             "prompt tokens": base.prompt_tokens, "output tokens": base.output_tokens}
-    level = alpha / len(now)  # Bonferroni over the distribution tests
+    level = alpha / (len(now) + 1)  # Bonferroni over the distribution tests and the speedup estimate's
     for metric in now:
         rows.append(_distribution_row(metric, then[metric], now[metric], level))
     if base.max_load is not None:
@@ -176,8 +181,19 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
     est_now = _speedup([_entry_spec(e) for e in entries])
     if base.speedup_estimate is not None and est_now is not None:
         change = est_now / base.speedup_estimate - 1
-        rows.append(Row("speedup estimate (tokens/step × (1 − draft share))", f"{base.speedup_estimate:.2f}",
-                        f"{est_now:.2f}", f"{change:+.0%}", DRIFTED if change < -SPEEDUP_DROP else OK))
+        per_request = [x for x in (_speedup([_entry_spec(e)]) for e in entries) if x is not None]
+        metric = "speedup estimate (tokens/step × (1 − draft share))"
+        rates = now["acceptance rate"]
+        rate_fell = bool(rates and base.acceptance_rate) and \
+            np.mean(base.acceptance_rate) - np.mean(rates) >= MIN_EFFECT["acceptance rate"]
+        tested = len(base.speedups) >= MIN_N and len(per_request) >= MIN_N
+        ks = ks_two_sample(base.speedups, per_request) if tested else None
+        verdict = DRIFTED if change < -SPEEDUP_DROP and (rate_fell or (ks is not None and ks["p"] < level)) else OK
+        detail = (f"KS D={ks['d']:.2f} p={ks['p']:.2g}; " if ks else "") + \
+            f"drift if it falls ≥ {SPEEDUP_DROP:g} with acceptance down ≥ {MIN_EFFECT['acceptance rate']:g}" + \
+            (f" or p < {level:.2g}" if ks else "")
+        rows.append(Row(metric, f"{base.speedup_estimate:.2f}", f"{est_now:.2f}", f"{change:+.0%}", verdict,
+                        detail))
     elif base.speedup_estimate is not None:
         rows.append(Row("speedup estimate", f"{base.speedup_estimate:.2f}", "-", "-", OK,
                         "no request in the window speculated"))
