@@ -8,7 +8,6 @@ call. Q/K/V and gate/up projections are fused into one matmul each: fewer, large
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -101,14 +100,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
-
-
-def shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing every submodule and tensor of `module`, whose children can be swapped alone."""
-    clone = copy.copy(module)
-    clone._modules, clone._parameters, clone._buffers = (
-        dict(module._modules), dict(module._parameters), dict(module._buffers))
-    return clone
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -270,18 +261,6 @@ class Decoder(nn.Module):
         p = self.embed_tokens.weight
         return KVCache(len(self.layers), num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
                        dtype=p.dtype, device=p.device)
-
-    def derive(self, layers: list[nn.Module], lm_head: nn.Module | None = None) -> Decoder:
-        """A decoder sharing this one's embeddings, norm and RoPE tables but running `layers` (and `lm_head`)."""
-        sub = shallow_copy(self)
-        sub.layers = nn.ModuleList(layers)
-        if lm_head is not None:
-            sub.lm_head = lm_head
-        return sub
-
-    def layer_subset(self, layer_ids: list[int]) -> Decoder:
-        """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""
-        return self.derive([self.layers[i] for i in layer_ids])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]

@@ -299,6 +299,15 @@ class NativeDecoder:
         logits = self.forward_tokens(cache, tokens.reshape(-1), positions.reshape(-1), slot_ids)
         return logits.reshape(B, T, -1)
 
+    def extra_bytes(self, base: NativeDecoder) -> int:
+        """Bytes of weights this decoder holds that `base` does not share (what a derived drafter adds)."""
+        def tensors(w: NativeWeights) -> dict[int, torch.Tensor]:
+            packed = [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [w.embed, w.head]
+            return {t.data_ptr(): t for p in packed for t in p.tensors().values()}
+
+        shared = tensors(base.weights)
+        return sum(t.numel() * t.element_size() for ptr, t in tensors(self.weights).items() if ptr not in shared)
+
     def layer_subset(self, layer_ids: list[int]) -> NativeDecoder:
         """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""
         sub = replace(self.weights, layers=[self.weights.layers[i] for i in layer_ids])

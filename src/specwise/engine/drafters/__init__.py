@@ -2,7 +2,7 @@
 
 - ``ngram`` / ``ngram:N``   prompt lookup over prompt + output, n-grams up to N tokens (default 3); no model
 - ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer
-- ``int8``                  a weight-quantized int8 copy of the target
+- ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
                             ``0-29/2`` (every other layer)
 """
@@ -55,12 +55,10 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         ids = parse_layers(arg, target.model.num_layers)
         return ModelDrafter(target.model.layer_subset(ids), f"layerskip:{arg}", num_slots, cache_len, 0)
     if kind == "int8" and not arg:
-        from specwise.engine.quantize import int8_nbytes, quantize_int8
-
-        if not hasattr(target.model, "layer_subset"):
+        if not hasattr(target.model, "requantized"):
             raise SpecwiseError("int8 self-drafting needs a Llama-family target (our decoder)")
-        q = quantize_int8(target.model)
-        return ModelDrafter(q, "int8", num_slots, cache_len, int8_nbytes(q))
+        q = target.model.requantized("int8")  # every linear layer in 8 bits (group 32); embeddings shared
+        return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
     if kind == "model" and arg:
         from specwise.engine.weights import load_target
 
