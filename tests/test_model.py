@@ -137,3 +137,15 @@ def test_each_precision_is_its_own_target(tiny_dir):
     assert [t.identity.precision for t in others] == ["bfloat16", "int4", "int8"]
     hashes = {own.identity.sha256, *(t.identity.sha256 for t in others)}
     assert len(hashes) == 4 and all(t.identity.source_sha256 == own.identity.sha256 for t in others)
+
+
+def test_shapes_the_kernels_do_not_take_fall_back_to_the_reference_decoder(tmp_path, capsys):
+    from specwise.engine import Engine
+    from specwise.errors import SpecwiseError
+
+    d = write_tiny_model(tmp_path / "odd", hidden=32, heads=4, kv_heads=2)  # head size 8: not a multiple of 16
+    target = load_target(d)
+    assert type(target.model).__name__ == "Decoder" and "head size" in capsys.readouterr().err
+    assert (our_logits(target.model, IDS) - hf_logits(d, IDS)).abs().max().item() <= 1e-4
+    with pytest.raises(SpecwiseError, match="not batch-invariant"):
+        Engine(target, drafter="ngram")

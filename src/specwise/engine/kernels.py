@@ -31,6 +31,10 @@ FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=fast", "-std=gnu11",
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
 
+class Unsupported(SpecwiseError):
+    """The kernels cannot run this model here: no C compiler, or a shape they do not take."""
+
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _lock = threading.Lock()
@@ -90,7 +94,7 @@ def _build(cc: str, target: Path) -> None:
         cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise SpecwiseError(f"building specwise's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+            raise Unsupported(f"building specwise's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -104,12 +108,12 @@ def library() -> ctypes.CDLL:
         if _lib is not None:
             return _lib
         if _failure is not None:
-            raise SpecwiseError(_failure)
+            raise Unsupported(_failure)
         cc = _compiler()
         if cc is None:
             _failure = ("specwise's CPU kernels need a C compiler (cc, gcc or clang; set $CC to choose one): install "
                         "one, e.g. `apt-get install gcc`")
-            raise SpecwiseError(_failure)
+            raise Unsupported(_failure)
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
         key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_features(),
                                         str(ABI)]).encode()).hexdigest()[:20]
@@ -211,7 +215,7 @@ def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _check_k(k: int) -> None:
     if k % 32:
-        raise SpecwiseError(f"a linear layer's input size must be a multiple of 32 for the CPU kernels (got {k})")
+        raise Unsupported(f"a linear layer's input size must be a multiple of 32 for the CPU kernels (got {k})")
 
 
 def pack_dense(w: torch.Tensor, fmt: int = BF16, bias: torch.Tensor | None = None) -> PackedLinear:

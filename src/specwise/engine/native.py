@@ -214,10 +214,10 @@ class NativeDecoder:
     def __init__(self, weights: NativeWeights, max_len: int | None = None, kv_dtype: torch.dtype | None = None):
         cfg = weights.cfg
         if cfg.head_dim % 16 or cfg.head_dim > 128 or cfg.num_heads % cfg.num_kv_heads:
-            raise SpecwiseError(f"the CPU kernels need a head size that is a multiple of 16 up to 128 and whole "
+            raise K.Unsupported(f"the CPU kernels need a head size that is a multiple of 16 up to 128 and whole "
                                 f"query groups (got head_dim={cfg.head_dim}, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
         if cfg.hidden_size % 32 or cfg.intermediate_size % 32:
-            raise SpecwiseError(f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
+            raise K.Unsupported(f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
                                 f"{cfg.hidden_size}, {cfg.intermediate_size})")
         self.lib = K.library()
         self.cfg, self.weights = cfg, weights

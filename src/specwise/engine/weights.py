@@ -213,13 +213,18 @@ def _load_native(source: Path, directory: Path, config: dict, dtype: str, quanti
 
     try:
         kernels.library()
-    except SpecwiseError as exc:
+        return _build_native(source, directory, config, dtype, quantize, max_len)
+    except kernels.Unsupported as exc:  # no compiler, or a shape the kernels do not take
         if quantize:
             raise
         print(f"specwise: {exc}\nspecwise: running the reference decoder instead: slower, and speculation is refused "
               "there (its steps are not batch-invariant)", file=sys.stderr)
         precision = "float32" if dtype == "auto" else dtype
         return _load_decoder(directory, config, TORCH_DTYPES[precision], torch.device("cpu"), max_len)
+
+
+def _build_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None,
+                  max_len: int | None):
     from specwise.engine.native import NativeDecoder, from_hf_state
 
     cfg = ModelConfig.from_hf(config)
