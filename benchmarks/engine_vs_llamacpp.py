@@ -40,6 +40,8 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import CHAT, COPY_HEAVY, FREE_FORM, chat
 
+from specwise.speccounts import SpecCounts
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_NGRAM = {  # llama.cpp's n-gram speculation settings tried; the best one measured is the one compared against
     "ngram-simple": ["--spec-type", "ngram-simple"],
@@ -101,8 +103,8 @@ class Llama:
         body = r.json()
         t = body["timings"]
         return {"prompt": t["prompt_n"], "prefill": t["prompt_ms"] / 1e3, "decoded": t["predicted_n"],
-                "decode": t["predicted_ms"] / 1e3, "ttft": t["prompt_ms"] / 1e3, "drafted": t.get("draft_n", 0),
-                "accepted": t.get("draft_n_accepted", 0), "steps": None, "tokens": body.get("tokens"),
+                "decode": t["predicted_ms"] / 1e3, "ttft": t["prompt_ms"] / 1e3, "tokens": body.get("tokens"),
+                "spec": SpecCounts(drafted=t.get("draft_n", 0), accepted=t.get("draft_n_accepted", 0)),
                 "text": body.get("content", "")}
 
     def close(self) -> None:
@@ -117,19 +119,17 @@ def run_specwise(engine, ids_prompt: list[dict], n: int) -> dict:
     r = engine.generate([ids_prompt], SamplingParams(max_new_tokens=n))[0]
     s = r.stats
     return {"prompt": s.prompt_tokens, "prefill": s.prefill_time, "decoded": s.generated_tokens - 1,
-            "decode": s.decode_time, "ttft": s.ttft, "drafted": s.drafted, "accepted": s.accepted,
-            "steps": s.verification_steps, "tokens": r.token_ids, "text": r.text}
+            "decode": s.decode_time, "ttft": s.ttft, "spec": s.counts(), "tokens": r.token_ids, "text": r.text}
 
 
 def aggregate(runs: list[dict]) -> dict:
-    drafted = sum(r["drafted"] for r in runs)
-    steps = [r["steps"] for r in runs if r["steps"] is not None]
+    spec = SpecCounts.pooled(r["spec"] for r in runs)  # llama.cpp reports no step count: its MAL stays None
     return {
         "decode": sum(r["decoded"] for r in runs) / sum(r["decode"] for r in runs),
         "prefill": sum(r["prompt"] for r in runs) / sum(r["prefill"] for r in runs),
         "ttft": statistics.median(r["ttft"] for r in runs),
-        "accept": sum(r["accepted"] for r in runs) / drafted if drafted else None,
-        "mal": (sum(r["accepted"] for r in runs) + sum(steps)) / sum(steps) if steps and sum(steps) else None,
+        "accept": spec.acceptance_rate,
+        "mal": spec.mean_acceptance_length,
     }
 
 

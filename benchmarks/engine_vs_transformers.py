@@ -22,6 +22,7 @@ import torch
 
 from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine.draft_length import expected_tokens
+from specwise.speccounts import SpecCounts
 
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import COPY_HEAVY, FREE_FORM, chat
@@ -95,9 +96,8 @@ def report(set_name: str, systems: list[str], results: dict, verify_costs: dict,
     print(f"{'system':34} {'tok/s':>7} {'vs specwise base':>17} {'vs HF greedy':>13} {'accept':>7} {'MAL':>5}")
     for name in systems:
         runs = results[(set_name, name)]
-        stats = [r["stats"] for r in runs if "stats" in r]
-        acc = _ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats))
-        mal = _ratio(sum(s.accepted + s.verification_steps for s in stats), sum(s.verification_steps for s in stats))
+        pooled = SpecCounts.pooled(r["stats"] for r in runs if "stats" in r)
+        acc, mal = pooled.acceptance_rate, pooled.mean_acceptance_length
         print(f"{name:34} {tps(name):7.2f} {tps(name) / base:16.2f}x {tps(name) / tps('transformers greedy'):12.2f}x "
               f"{_fmt(acc):>7} {_fmt(mal):>5}")
     print(f"specwise ngram k={k} vs transformers prompt lookup: "
@@ -106,18 +106,16 @@ def report(set_name: str, systems: list[str], results: dict, verify_costs: dict,
     base_runs = results[(set_name, "specwise baseline")]
     base_step = sum(r["decode"] for r in base_runs) / sum(r["tokens"] - 1 for r in base_runs)
     for name in (f"specwise ngram k={k}", "specwise ngram k=auto"):
-        stats = [r["stats"] for r in results[(set_name, name)]]
-        steps = sum(s.verification_steps for s in stats)
-        alpha = _ratio(sum(s.accepted for s in stats), sum(s.accepted + s.rejections for s in stats)) or 0.0
+        pooled = SpecCounts.pooled(r["stats"] for r in results[(set_name, name)])
+        steps, alpha = pooled.steps, pooled.token_acceptance or 0.0
         # Steps by draft length γ (n-gram drafts are often shorter than k, or empty): average E and cost over them.
-        at_least = [sum(s.drafted_per_position[j] for s in stats if len(s.drafted_per_position) > j)
-                    for j in range(max(len(s.drafted_per_position) for s in stats))]
+        at_least = pooled.drafted_per_position
         counts = [steps - (at_least[0] if at_least else 0)] + [
             at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j in range(len(at_least))]
         tokens = sum(n * expected_tokens(min(alpha, 0.999), g) for g, n in enumerate(counts)) / steps
         c_verify = sum(n * _interp(verify_costs, g + 1) for g, n in enumerate(counts)) / steps / _interp(
             verify_costs, 1)
-        c_draft = sum(s.drafting_time for s in stats) / steps / base_step
+        c_draft = pooled.drafting_time / steps / base_step
         predicted = tokens / (c_verify + c_draft)
         decode_tps = sum(r["tokens"] - 1 for r in results[(set_name, name)]) / sum(
             r["decode"] for r in results[(set_name, name)])
@@ -137,10 +135,6 @@ def _interp(costs: dict, T: float) -> float:
     if hi == lo:
         return costs[lo]
     return costs[lo] + (costs[hi] - costs[lo]) * (T - lo) / (hi - lo)
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
 
 
 def _fmt(x: float | None) -> str:

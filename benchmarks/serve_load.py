@@ -35,6 +35,7 @@ from specwise.harness.backends import Config, Request
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import Load
 from specwise.harness.workload import Task, builtin_workload
+from specwise.speccounts import SpecCounts
 
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import CHAT
@@ -114,8 +115,7 @@ def main() -> None:
             tokens = sum(r.output_tokens for r in recs)
             results.setdefault((m, c), []).append({
                 "throughput": tokens / seconds, "e2e": [r.e2e for r in recs],
-                "accepted": sum(r.spec.get("accepted", 0) for r in recs),
-                "drafted": sum(r.spec.get("drafted", 0) for r in recs)})
+                "spec": SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs)})
             print(f"round {rnd} c={c:<3} {m:<7} {tokens / seconds:7.1f} tok/s", file=sys.stderr, flush=True)
 
         if args.threshold == "calibrate":
@@ -158,7 +158,7 @@ def report(levels: list[int], results: dict, args) -> None:
         p50 = {m: statistics.median(e2e[m]) for m in MODES}
         p99 = {m: sorted(e2e[m])[min(len(e2e[m]) - 1, int(0.99 * len(e2e[m])))] for m in MODES}
         on = results[("always", c)]
-        acc = sum(r["accepted"] for r in on) / max(sum(r["drafted"] for r in on), 1)
+        acc = SpecCounts.pooled(r["spec"] for r in on).acceptance_rate or 0.0
         best = max(tp["never"], tp["always"])
         print(f"{c:>4} | {tp['never']:>9.1f} {tp['always']:>7.1f} {tp['auto']:>7.1f} | {p50['never']:>7.2f} "
               f"{p50['always']:>6.2f} {p50['auto']:>6.2f} | {p99['never']:>7.2f} {p99['always']:>6.2f} "

@@ -58,7 +58,7 @@ def test_greedy_speculative_equals_baseline(precise, tiny_draft_dir, which, k):
         engine.costs = FrozenCosts()
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == alone, f"{name} {spec} k={k}"
-    assert all(r.stats.verification_steps >= 2 for r in results)
+    assert all(r.stats.steps >= 2 for r in results)
     assert sum(r.stats.drafted for r in results) > 0
 
 
@@ -72,7 +72,7 @@ def test_speculation_actually_skips_steps(tiny, baseline):
     results = Engine(tiny, drafter="ngram", k=4, max_batch=8).generate(
         PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert sum(r.stats.accepted for r in results) > 0
-    assert sum(r.stats.verification_steps for r in results) < sum(len(b) - 1 for b in baseline)
+    assert sum(r.stats.steps for r in results) < sum(len(b) - 1 for b in baseline)
 
 
 def test_batch_equals_each_prompt_alone(tiny, baseline):
@@ -92,7 +92,7 @@ def test_identical_draft_model_accepts_everything(tiny, tiny_dir):
     results = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert all(r.stats.acceptance_rate == 1.0 for r in results)
     # 19 tokens after the prefill's first, 5 per step (4 accepted + bonus): 4 steps, the last one shortened.
-    assert all(r.stats.verification_steps == math.ceil(19 / 5) for r in results)
+    assert all(r.stats.steps == math.ceil(19 / 5) for r in results)
 
 
 def test_stats_are_consistent(tiny):
@@ -104,7 +104,7 @@ def test_stats_are_consistent(tiny):
     assert s.drafted_per_position[0] >= s.drafted_per_position[-1]
     assert 0 < s.prefill_time <= s.ttft <= s.e2e and s.decode_time <= s.e2e
     # every output token after the first comes out of a verification step
-    assert s.verification_steps + s.accepted >= s.generated_tokens - 1
+    assert s.steps + s.accepted >= s.generated_tokens - 1
 
 
 def test_eos_and_stop_strings(tiny):
@@ -202,8 +202,8 @@ def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_d
     r = engine.generate("zzzz", SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
     assert 0 not in r.token_ids  # the target never picks the drafted token, so every draft fails
     assert r.stats.accepted == 0
-    assert r.stats.drafted_per_position[0] < r.stats.verification_steps / 3  # most steps ran plain
-    assert r.stats.drafted < 4 * r.stats.verification_steps / 4
+    assert r.stats.drafted_per_position[0] < r.stats.steps / 3  # most steps ran plain
+    assert r.stats.drafted < 4 * r.stats.steps / 4
 
 
 # --- distribution -------------------------------------------------------------------------------------------------

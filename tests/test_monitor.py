@@ -8,6 +8,7 @@ import math
 import random
 import sqlite3
 import time
+from dataclasses import asdict
 
 import pytest
 
@@ -15,6 +16,7 @@ from specwise.harness.backends import Config
 from specwise.harness.monitor import DRIFTED, INVALID, OK, compare, load_baseline, parse_window
 from specwise.harness.requestlog import LogEntry, RequestLog
 from specwise.harness.store import Record, Store
+from specwise.speccounts import SpecCounts
 
 TARGET = {"name": "tiny", "sha256": "a" * 64}
 NGRAM = {"name": "ngram", "derived_from": None}
@@ -60,8 +62,9 @@ def entries(n=80, seed=1, load=(1, 4), target=TARGET, draft=NGRAM, age=600.0, **
         t = traffic(rng, **kw)
         out.append(LogEntry(time=now - rng.uniform(0, age), prompt_tokens=t["prompt"], output_tokens=t["output"],
                             ttft=0.1, e2e=1.0, load=rng.randint(*load), speculative=True, drafter="ngram",
-                            steps=t["steps"], drafted=t["drafted"], accepted=t["accepted"],
-                            drafting_time=t["drafting_time"], verification_time=t["verification_time"],
+                            spec=SpecCounts(t["steps"], t["drafted"], t["accepted"],
+                                            drafting_time=t["drafting_time"],
+                                            verification_time=t["verification_time"]),
                             target=dict(target), draft=dict(draft)))
     return out
 
@@ -197,8 +200,8 @@ def test_request_log_round_trip(tmp_path):
     items = entries(n=5)
     write_log(tmp_path / "l.db", items)
     back = RequestLog(tmp_path / "l.db", mode="r").entries()
-    assert sorted(json.dumps(e.__dict__, sort_keys=True) for e in back) == sorted(
-        json.dumps(e.__dict__, sort_keys=True) for e in items)
+    assert sorted(json.dumps(asdict(e), sort_keys=True) for e in back) == sorted(
+        json.dumps(asdict(e), sort_keys=True) for e in items)
 
 
 # --- end to end: serve --log, familiar then unfamiliar traffic ------------------------------------------------------
@@ -282,7 +285,7 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
         logged = RequestLog(log, mode="r").entries()
         assert len(logged) == 16
         assert gauge["specwise_acceptance_rate"] == pytest.approx(
-            sum(e.accepted for e in logged) / sum(e.drafted for e in logged))
+            sum(e.spec.accepted for e in logged) / sum(e.spec.drafted for e in logged))
         whole = monitor("--baseline", base, "--log", log, "--window", "1h")  # the gauges' window and level
         assert gauge["specwise_drift_alert"] == float(whole.returncode == 1), whole.stdout
     finally:

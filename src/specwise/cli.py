@@ -250,7 +250,7 @@ def format_stats(result, engine) -> str:
         f"time               prefill {s.prefill_time:.3f}s, TTFT {s.ttft:.3f}s, decode {s.decode_time:.3f}s, "
         f"E2E {s.e2e:.3f}s",
         f"decode speed       {tps:.1f} tokens/s",
-        f"verification       {s.verification_steps} steps, drafted {s.drafted}, accepted {s.accepted}",
+        f"verification       {s.steps} steps, drafted {s.drafted}, accepted {s.accepted}",
         f"acceptance         rate {rate}, mean acceptance length {mal}",
         f"by position        {by_pos}",
         f"time split         drafting {s.drafting_time:.3f}s, verification {s.verification_time:.3f}s",

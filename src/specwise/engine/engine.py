@@ -446,9 +446,8 @@ class Engine:
         return delta
 
     def _retire(self, seq: Sequence) -> None:
-        judged = seq.stats.accepted + seq.stats.rejections
-        if seq.drafter is not None and judged >= 4:
-            alpha = seq.stats.accepted / judged
+        alpha = seq.stats.token_acceptance
+        if seq.drafter is not None and alpha is not None and seq.stats.accepted + seq.stats.rejections >= 4:
             old = self.acceptance.get(seq.drafter)
             self.acceptance[seq.drafter] = alpha if old is None else 0.8 * old + 0.2 * alpha
         self.running.remove(seq)

@@ -13,6 +13,7 @@ from specwise.harness.load import parse_load
 from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
 from specwise.harness.store import Record
 from specwise.harness.verdict import Cell, decide
+from specwise.speccounts import SpecCounts
 
 
 def _tpot(r: Record) -> float | None:
@@ -24,18 +25,8 @@ def _tpot(r: Record) -> float | None:
 def config_stats(records: list[Record], phase_seconds: float | None) -> dict:
     """Latency percentiles, errors, validation, goodput and speculation figures for one set of records."""
     ok = [r for r in records if r.error is None]
-    spec = [r.spec for r in ok if r.spec]
-    drafted = sum(s.get("drafted", 0) for s in spec)
-    accepted = sum(s.get("accepted", 0) for s in spec)
-    steps = sum(s.get("steps", 0) for s in spec)
-    per_pos_d: list[int] = []
-    per_pos_a: list[int] = []
-    for s in spec:
-        pairs = ((per_pos_d, s.get("drafted_per_position", [])), (per_pos_a, s.get("accepted_per_position", [])))
-        for acc, src in pairs:
-            acc.extend([0] * (len(src) - len(acc)))
-            for i, n in enumerate(src):
-                acc[i] += n
+    spec = [SpecCounts.from_dict(r.spec) for r in ok if r.spec]
+    pooled = SpecCounts.pooled(spec)
     decode = sum(r.decode or 0.0 for r in ok)
     passed = sum(1 for r in ok if r.passed)
     return {
@@ -47,11 +38,12 @@ def config_stats(records: list[Record], phase_seconds: float | None) -> dict:
         "itl": summarize([x for r in ok for x in r.itl]), "e2e": summarize([r.e2e for r in ok]),
         "prefill": summarize([r.prefill for r in ok]), "decode": summarize([r.decode for r in ok]),
         "output_tokens": summarize([r.output_tokens for r in ok]),
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": (accepted + steps) / steps if steps and drafted else None,
-        "acceptance_by_position": [a / d for a, d in zip(per_pos_a, per_pos_d, strict=False) if d],
-        "drafting_share": sum(s.get("drafting_time", 0.0) for s in spec) / decode if decode and spec else None,
-        "per_request_acceptance": [s["accepted"] / s["drafted"] for s in spec if s.get("drafted")],
+        "acceptance_rate": pooled.acceptance_rate,
+        "mean_acceptance_length": pooled.mean_acceptance_length if pooled.drafted else None,
+        "acceptance_by_position": pooled.acceptance_by_position,
+        # drafting time as a share of the decode phase (the client's clock), as the report's draft% column says
+        "drafting_share": pooled.drafting_time / decode if decode and spec else None,
+        "per_request_acceptance": [c.acceptance_rate for c in spec if c.drafted],
     }
 
 

@@ -160,11 +160,7 @@ def _record(config: str, load: Load, req: Request, submitted: float, finished: f
         output=result.text, prompt_tokens=s.prompt_tokens, output_tokens=s.generated_tokens,
         finish_reason=result.finish_reason, ttft=chunks[0] - submitted if chunks else None,
         itl=[b - a for a, b in itertools.pairwise(chunks)], e2e=finished - submitted, prefill=s.prefill_time,
-        decode=s.decode_time,
-        spec={"steps": s.verification_steps, "drafted": s.drafted, "accepted": s.accepted,
-              "rejections": s.rejections, "drafted_per_position": s.drafted_per_position,
-              "accepted_per_position": s.accepted_per_position, "drafting_time": s.drafting_time,
-              "verification_time": s.verification_time},
+        decode=s.decode_time, spec=s.counts().to_dict(),
     )
 
 

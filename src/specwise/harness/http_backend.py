@@ -32,6 +32,7 @@ from specwise.errors import SpecwiseError
 from specwise.harness.backends import Config, Request, hardware
 from specwise.harness.load import Load
 from specwise.harness.store import Record
+from specwise.speccounts import SpecCounts
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -67,14 +68,13 @@ def parse_spec_counters(text: str) -> dict | None:
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the server's counters grew by over a phase (counts only: rates come from SpecCounts)."""
     if before is None or after is None:
         return None
     d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
     d["accepted_per_pos"] = [after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0)
                              for p in positions]
-    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
-    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
     return d
 
 
@@ -280,12 +280,7 @@ class HTTPBackend:
         rec.decode = chunks[-1] - chunks[0] if chunks else None
         rec.prefill = spec.get("prefill_time")
         if spec:
-            rec.spec = {"steps": spec.get("verification_steps", 0), "drafted": spec.get("drafted_tokens", 0),
-                        "accepted": spec.get("accepted_tokens", 0), "rejections": spec.get("rejections", 0),
-                        "drafted_per_position": spec.get("drafted_per_position", []),
-                        "accepted_per_position": spec.get("accepted_per_position", []),
-                        "drafting_time": spec.get("drafting_time", 0.0),
-                        "verification_time": spec.get("verification_time", 0.0)}
+            rec.spec = SpecCounts.from_usage(spec).to_dict()
         return rec
 
     def _one(self, config: str, req: Request, t0: float) -> dict:

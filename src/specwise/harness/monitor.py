@@ -29,6 +29,7 @@ import numpy as np
 from specwise.errors import SpecwiseError
 from specwise.harness.requestlog import LogEntry, RequestLog
 from specwise.harness.stats import ks_two_sample
+from specwise.speccounts import SpecCounts
 
 OK, DRIFTED, INVALID = "ok", "drifted", "invalid"
 MIN_N = 5  # fewer requests than this in either sample: reported, not tested
@@ -114,7 +115,7 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         raise SpecwiseError(f"{path}: the run holds no finished requests of {chosen['name']!r}")
     prov = run["provenance"]
     loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
-    samples = [_sample(r.spec, r.prompt_tokens, r.output_tokens) for r in recs]
+    samples = [_sample(SpecCounts.from_dict(r.spec), r.prompt_tokens, r.output_tokens) for r in recs]
     base = Baseline(
         path=path, config=chosen["name"], target=prov.get("target") or {},
         draft=(prov.get("configs", {}).get(chosen["name"]) or {}).get("draft_identity"),
@@ -122,8 +123,9 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
         prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],
-        max_load=max(loads) if loads else None, speedup_estimate=_speedup([r.spec for r in recs]),
-        speedups=[x for x in (_speedup([r.spec]) for r in recs) if x is not None])
+        max_load=max(loads) if loads else None,
+        speedup_estimate=SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs).speedup_estimate,
+        speedups=[s["speedup"] for s in samples if s["speedup"] is not None])
     if key is not None:
         _BASELINES[key] = base
     return base
@@ -134,29 +136,10 @@ def _same_drafter(spec: str, name: str) -> bool:
     return spec == name or spec.partition(":")[0] == name.partition(":")[0]
 
 
-def _sample(spec: dict, prompt_tokens: int, output_tokens: int) -> dict:
-    drafted, accepted, steps = spec.get("drafted", 0), spec.get("accepted", 0), spec.get("steps", 0)
-    return {"rate": accepted / drafted if drafted else None,
-            "length": (accepted + steps) / steps if steps and drafted else None,
-            "prompt": float(prompt_tokens), "output": float(output_tokens)}
-
-
-def _speedup(specs: list[dict]) -> float | None:
-    """Tokens per verification step × (1 − drafting share): what speculation yields per unit of step time, relative
-    to one token per plain step (an estimate; verification of k+1 tokens is taken to cost a plain step)."""
-    steps = sum(s.get("steps", 0) for s in specs if s.get("drafted"))
-    if not steps:
-        return None
-    tokens = sum(s.get("steps", 0) + s.get("accepted", 0) for s in specs if s.get("drafted"))
-    draft = sum(s.get("drafting_time", 0.0) for s in specs if s.get("drafted"))
-    verify = sum(s.get("verification_time", 0.0) for s in specs if s.get("drafted"))
-    share = draft / (draft + verify) if draft + verify > 0 else 0.0
-    return tokens / steps * (1 - share)
-
-
-def _entry_spec(e: LogEntry) -> dict:
-    return {"steps": e.steps, "drafted": e.drafted, "accepted": e.accepted, "drafting_time": e.drafting_time,
-            "verification_time": e.verification_time}
+def _sample(c: SpecCounts, prompt_tokens: int, output_tokens: int) -> dict:
+    """One request's figures; acceptance only for requests that drafted."""
+    return {"rate": c.acceptance_rate, "length": c.mean_acceptance_length if c.drafted else None,
+            "speedup": c.speedup_estimate, "prompt": float(prompt_tokens), "output": float(output_tokens)}
 
 
 def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> list[Row]:
@@ -164,7 +147,7 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
     if not entries:
         raise SpecwiseError("the window holds no requests: widen --window, or send traffic first")
     rows = _revision_rows(base, entries)
-    samples = [_sample(_entry_spec(e), e.prompt_tokens, e.output_tokens) for e in entries]
+    samples = [_sample(e.spec, e.prompt_tokens, e.output_tokens) for e in entries]
     now = {"acceptance rate": [s["rate"] for s in samples if s["rate"] is not None],
            "acceptance length": [s["length"] for s in samples if s["length"] is not None],
            "prompt tokens": [s["prompt"] for s in samples], "output tokens": [s["output"] for s in samples]}
@@ -178,10 +161,10 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
         rows.append(Row(f"load > {base.max_load:g} (beyond evaluated)", "0%", f"{beyond:.0%}", f"{beyond:+.0%}",
                         DRIFTED if beyond > BEYOND_SHARE else OK,
                         f"{sum(e.load > base.max_load for e in entries)} of {len(entries)} requests"))
-    est_now = _speedup([_entry_spec(e) for e in entries])
+    est_now = SpecCounts.pooled(e.spec for e in entries).speedup_estimate
     if base.speedup_estimate is not None and est_now is not None:
         change = est_now / base.speedup_estimate - 1
-        per_request = [x for x in (_speedup([_entry_spec(e)]) for e in entries) if x is not None]
+        per_request = [s["speedup"] for s in samples if s["speedup"] is not None]
         metric = "speedup estimate (tokens/step × (1 − draft share))"
         rates = now["acceptance rate"]
         rate_fell = bool(rates and base.acceptance_rate) and \

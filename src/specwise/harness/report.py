@@ -17,6 +17,7 @@ from specwise.harness.analyze import analyze
 from specwise.harness.load import parse_load
 from specwise.harness.store import Store
 from specwise.harness.verdict import headline
+from specwise.speccounts import SpecCounts
 
 
 def load_run(path: str | Path) -> dict:
@@ -73,12 +74,12 @@ def console_summary(run: dict) -> str:
         lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")
         lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
         for key, deltas in run["server_counters"].items():
-            drafts = sum(d["num_drafts"] for d in deltas)
-            tokens = sum(d["num_draft_tokens"] for d in deltas)
-            acc = sum(d["num_accepted_tokens"] for d in deltas)
-            lines.append(f"{key:>38} {drafts:>8.0f} {tokens:>9.0f} {acc:>9.0f} "
-                         f"{_fmt(acc / tokens if tokens else None, '.2f'):>6} "
-                         f"{_fmt(1 + acc / drafts if drafts else None, '.2f'):>5}")
+            # vLLM's counters: a draft is one verification step that was given draft tokens
+            c = SpecCounts(steps=round(sum(d["num_drafts"] for d in deltas)),
+                           drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
+                           accepted=round(sum(d["num_accepted_tokens"] for d in deltas)))
+            lines.append(f"{key:>38} {c.steps:>8} {c.drafted:>9} {c.accepted:>9} "
+                         f"{_fmt(c.acceptance_rate, '.2f'):>6} {_fmt(c.mean_acceptance_length, '.2f'):>5}")
     for config, by_kind in a["verdicts"].items():
         for kind, v in by_kind.items():
             lines.append("")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.speccounts import SpecCounts
 
 LOG_SCHEMA_VERSION = 1
 KIND = "specwise-request-log"
@@ -41,13 +42,7 @@ class LogEntry:
     load: int
     speculative: bool
     drafter: str | None
-    steps: int
-    drafted: int
-    accepted: int
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafting_time: float = 0.0
-    verification_time: float = 0.0
+    spec: SpecCounts = field(default_factory=SpecCounts)
     decode_time: float = 0.0
     finish_reason: str | None = None
     target: dict = field(default_factory=dict)  # identity: name, sha256, …
@@ -55,17 +50,10 @@ class LogEntry:
     prompt: str | None = None
     output: str | None = None
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def acceptance_length(self) -> float | None:
-        """Tokens per verification step, the bonus or recovered token included."""
-        return (self.accepted + self.steps) / self.steps if self.steps else None
-
 
 _JSON = ("drafted_per_position", "accepted_per_position", "target", "draft")
+_COUNTS = ("steps", "drafted", "accepted", "drafted_per_position", "accepted_per_position", "drafting_time",
+           "verification_time")  # the SpecCounts fields the log keeps (not rejections)
 
 
 class RequestLog:
@@ -109,6 +97,8 @@ class RequestLog:
 
     def add(self, entry: LogEntry) -> None:
         row = asdict(entry)
+        counts = row.pop("spec")
+        row.update({k: counts[k] for k in _COUNTS})
         for k in _JSON:
             row[k] = json.dumps(row[k])
         row["speculative"] = int(entry.speculative)
@@ -128,8 +118,7 @@ class RequestLog:
             d = dict(zip(names, row, strict=True))
             for k in _JSON:
                 d[k] = json.loads(d[k]) if d[k] is not None else None
-            d["drafted_per_position"] = d["drafted_per_position"] or []
-            d["accepted_per_position"] = d["accepted_per_position"] or []
+            d["spec"] = SpecCounts.from_dict({k: d.pop(k) for k in _COUNTS})
             d["target"] = d["target"] or {}
             d["speculative"] = bool(d["speculative"])
             out.append(LogEntry(**d))

@@ -206,16 +206,9 @@ def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | 
 
 def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:
     s = seq.stats
-    return {
-        "enabled": seq.speculative, "drafter": seq.drafter,
-        "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"),
-        "verification_steps": s.verification_steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
-        "rejections": s.rejections, "acceptance_rate": s.acceptance_rate,
-        "mean_acceptance_length": s.mean_acceptance_length, "drafted_per_position": s.drafted_per_position,
-        "accepted_per_position": s.accepted_per_position, "drafting_time": s.drafting_time,
-        "verification_time": s.verification_time, "queue_time": s.queue_time, "prefill_time": s.prefill_time,
-        "decode_time": s.decode_time,
-    }
+    return {"enabled": seq.speculative, "drafter": seq.drafter,
+            "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"), **s.to_usage(),
+            "queue_time": s.queue_time, "prefill_time": s.prefill_time, "decode_time": s.decode_time}
 
 
 def _usage(seq: Sequence, result: GenerationResult) -> dict:

@@ -16,6 +16,7 @@ from specwise.engine.engine import GenerationResult, Sequence
 from specwise.harness.backends import draft_identity
 from specwise.harness.monitor import Baseline, compare
 from specwise.harness.requestlog import LogEntry, RequestLog
+from specwise.speccounts import SpecCounts
 
 log = logging.getLogger("specwise.server")
 
@@ -45,9 +46,7 @@ class DriftWatch:
         entry = LogEntry(
             time=time.time(), prompt_tokens=seq.prompt_len, output_tokens=len(result.token_ids), ttft=record["ttft"],
             e2e=record["e2e"], load=record["load"], speculative=bool(s.drafted), drafter=seq.drafter,
-            steps=s.verification_steps, drafted=s.drafted, accepted=s.accepted,
-            drafted_per_position=list(s.drafted_per_position), accepted_per_position=list(s.accepted_per_position),
-            drafting_time=s.drafting_time, verification_time=s.verification_time, decode_time=s.decode_time,
+            spec=s.counts(), decode_time=s.decode_time,
             finish_reason=result.finish_reason, target=self.engine.target.identity.to_dict(),
             draft=self._draft(seq.drafter) if s.drafted else None,
             prompt=(prompt if isinstance(prompt, str) else repr(prompt)) if self.log_text else None,
@@ -67,8 +66,8 @@ class DriftWatch:
             return self._cached[1]
         with self._lock:
             entries = [e for e in self.recent if e.time >= now - self.window]
-        drafted = sum(e.drafted for e in entries)
-        rate = sum(e.accepted for e in entries) / drafted if drafted else float("nan")
+        rate = SpecCounts.pooled(e.spec for e in entries).acceptance_rate
+        rate = float("nan") if rate is None else rate
         alert = 0.0
         if entries:
             try:
