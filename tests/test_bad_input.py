@@ -117,7 +117,8 @@ def run_cli(*args):
     (["generate", "hi", "--top-k", "-1"], "top_k=-1"),
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens=0"),
     (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
-    (["generate", "hi", "--k", "many"], "not a draft length"),
+    (["generate", "hi", "--k", "many"], "give a draft length from 1 to 16"),
+    (["generate", "hi", "--k", "17"], "k=17 is not allowed"),
     (["evaluate", "--endpoint", "http://127.0.0.1:9", "--dtype", "bfloat16"], "the server decides it"),
 ])
 def test_cli_reports_bad_input_without_traceback(args, needle):

@@ -221,6 +221,8 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
     ("configs:\n  - {name: a}\n  - {name: a, drafter: ngram}", "names must be unique"),
     ("configs:\n  - {name: a, launch: ''}\n  - {name: b, launch: x}", "configs[0].launch must be a command line"),
     ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, request: 5}", "configs[1].request must be a mapping"),
+    ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, k: 40}", "configs[1]: k=40 is not allowed"),
+    ("configs:\n  - {name: a}\n  - {name: b, drafter: 'ngram:x'}", "ngram:N takes a whole number"),
 ])
 def test_bad_configuration_files_are_refused(tmp_path, text, needle):
     cfg = tmp_path / "configs.yaml"

@@ -8,8 +8,8 @@ import os
 import sys
 
 from specwise import __version__
-from specwise.choices import DTYPES, QUANTIZE
 from specwise.errors import SpecwiseError
+from specwise.specs import DTYPES, K_MAX, QUANTIZE, parse_k
 
 DTYPE_HELP = ("weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
               "Hugging Face weights), bfloat16, float32 (the reference); float16 on CUDA only")
@@ -22,12 +22,10 @@ def _precision_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _k(value: str) -> int | str:
-    if value == "auto":
-        return value
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a draft length: give a whole number or 'auto'") from None
+        return parse_k(value)
+    except SpecwiseError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     gen.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", help="ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: none = baseline)")
-    gen.add_argument("--k", type=_k, default=4, help="draft length 1..16, or 'auto' (adaptive); default 4")
+    gen.add_argument("--k", type=_k, default=4, help=f"draft length 1..{K_MAX}, or 'auto' (adaptive); default 4")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -92,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drafter", help="default drafter: ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: "
                                        "none)")
     srv.add_argument("--drafters", help="more drafters requests may choose, comma-separated (e.g. int8,ngram:2)")
-    srv.add_argument("--k", type=_k, default="auto", help="default draft length 1..16 or 'auto' (default auto)")
+    srv.add_argument("--k", type=_k, default="auto", help=f"default draft length 1..{K_MAX} or 'auto' (default auto)")
     srv.add_argument("--policy", default="always", choices=["always", "never", "auto"],
                      help="when steps draft: always, never, or auto (off under load; default always)")
     srv.add_argument("--policy-threshold", default="4", help="auto: HIGH[:LOW] — drafting stops above HIGH "

@@ -11,8 +11,6 @@ doubles the wait for the next.
 
 from __future__ import annotations
 
-K_MAX = 16  # the largest draft length any configuration may ask for
-
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens per verification step for draft length k, bonus included."""

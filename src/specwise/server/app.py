@@ -192,16 +192,13 @@ def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | 
     except QueueFull as exc:
         raise ProtocolError(str(exc), None, 429, "rate_limit_error", "queue_full",
                             {"Retry-After": str(int(exc.retry_after + 0.999))}) from None
-    except SpecwiseError as exc:
-        msg = str(exc)
-        param, code = None, None
-        if "context" in msg:
-            param, code = "max_tokens", "context_length_exceeded"
-        elif "drafter" in msg or "k=" in msg:
+    except SpecwiseError as exc:  # the engine names the input at fault; here it becomes the request's field
+        param = exc.param
+        if param in ("drafter", "k", "k_max"):
             param = "speculative"
-        elif "prompt" in msg or "messages" in msg:
-            param = "messages" if isinstance(prompt, list) else "prompt"
-        raise ProtocolError(msg, param, 400, "invalid_request_error", code) from None
+        elif param == "prompt" and isinstance(prompt, list):
+            param = "messages"
+        raise ProtocolError(str(exc), param, 400, "invalid_request_error", exc.code) from None
 
 
 def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specwise.specs import K_MAX
+
 MAX_STOP = 4
 
 
@@ -39,11 +41,11 @@ class Strict(BaseModel):
 
 
 class SpeculativeOptions(Strict):
-    """Per-request speculation: off, or which of the server's drafters and which draft length (1..16 or 'auto')."""
+    """Per-request speculation: off, or which of the server's drafters and which draft length (1..K_MAX or 'auto')."""
 
     enabled: bool = True
     drafter: str | None = None
-    k: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] | None = None
+    k: Annotated[int, Field(ge=1, le=K_MAX)] | Literal["auto"] | None = None
 
 
 class StreamOptions(Strict):

@@ -13,11 +13,11 @@ from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
 from specwise.errors import SpecwiseError
+from specwise.specs import DRAFTER_HELP, check_drafter_spec
 
 __all__ = ["DRAFTER_HELP", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "SequenceView", "make_drafter",
            "parse_layers"]
 
-DRAFTER_HELP = "ngram, ngram:N, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -44,22 +44,20 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
 
 def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
     """Build the drafter named by `spec` for `target` (a LoadedModel)."""
-    kind, _, arg = spec.partition(":")
+    kind, _, arg = check_drafter_spec(spec).partition(":")
     if kind == "ngram":
-        if arg and not arg.isdigit():
-            raise SpecwiseError(f"drafter {spec!r}: ngram:N takes a whole number N ≥ 1")
         return NgramDrafter(max_ngram=int(arg) if arg else 3)
     if kind == "layerskip":
         if not hasattr(target.model, "layer_subset"):
             raise SpecwiseError("layerskip drafting needs a Llama-family target (our decoder)")
         ids = parse_layers(arg, target.model.num_layers)
         return ModelDrafter(target.model.layer_subset(ids), f"layerskip:{arg}", num_slots, cache_len, 0)
-    if kind == "int8" and not arg:
+    if kind == "int8":
         if not hasattr(target.model, "requantized"):
             raise SpecwiseError("int8 self-drafting needs a Llama-family target (our decoder)")
         q = target.model.requantized("int8")  # every linear layer in 8 bits (group 32); embeddings shared
         return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
-    if kind == "model" and arg:
+    if kind == "model":
         from specwise.engine.weights import load_target
 
         draft = load_target(arg, device=str(target.device), max_len=cache_len)

@@ -1,0 +1,50 @@
+"""Limits and spec grammars that the command line, the config files, the server's protocol and the engine share,
+kept in one torch-free place so each rule is stated once.
+
+- draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
+- drafter specs: ``ngram`` / ``ngram:N``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
+- target precisions: ``--dtype`` (DTYPES) and ``--quantize`` (QUANTIZE)
+"""
+
+from __future__ import annotations
+
+from specwise.errors import SpecwiseError
+
+K_MAX = 16  # the largest draft length any configuration may ask for
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
+QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
+DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
+DRAFTER_HELP = "ngram, ngram:N, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
+
+
+def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
+    """A draft length: a whole number 1..k_max (digits in a string accepted), or 'auto'."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= k_max:
+        raise SpecwiseError(f"k={value!r} is not allowed: give a draft length from 1 to {k_max}, or 'auto'",
+                            param="k")
+    return value
+
+
+def check_k_max(k_max: object) -> int:
+    """The cap of adaptive draft lengths: 1..K_MAX."""
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:
+        raise SpecwiseError(f"k_max={k_max!r} is not allowed: it must be from 1 to {K_MAX}", param="k_max")
+    return k_max
+
+
+def check_drafter_spec(spec: object) -> str:
+    """A drafter spec's grammar (what it names is checked where the drafter is built: the file, the layers)."""
+    kind, sep, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    ok = (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1))) or \
+         (kind == "model" and bool(arg.strip())) or (kind == "int8" and not sep) or \
+         (kind == "layerskip" and bool(arg.strip()))
+    if not ok:
+        hint = {"ngram": "ngram:N takes a whole number N ≥ 1", "model": "model:PATH needs a path",
+                "int8": "int8 takes no argument", "layerskip": "layerskip:SPEC needs a layer spec"}.get(kind)
+        what = f"drafter {spec!r} is not allowed: {hint}" if hint else f"unknown drafter {spec!r}"
+        raise SpecwiseError(f"{what} (allowed: {DRAFTER_HELP})", param="drafter")
+    return spec

@@ -1,0 +1,56 @@
+"""The shared limits and spec grammars (specwise/specs.py): one rule, used by CLI, config files, protocol, engine."""
+
+import pytest
+
+from specwise.errors import SpecwiseError
+from specwise.specs import K_MAX, check_drafter_spec, check_k_max, parse_k
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), (1, 1), ("7", 7), (K_MAX, K_MAX)])
+def test_parse_k_accepts(value, expected):
+    assert parse_k(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, K_MAX + 1, "x", "", -1, 2.5, True, None, "1.5"])
+def test_parse_k_refuses_with_the_allowed_range(value):
+    with pytest.raises(SpecwiseError, match=f"from 1 to {K_MAX}") as e:
+        parse_k(value)
+    assert e.value.param == "k"
+
+
+def test_k_max_range():
+    assert check_k_max(K_MAX) == K_MAX
+    with pytest.raises(SpecwiseError, match="k_max=0") as e:
+        check_k_max(0)
+    assert e.value.param == "k_max"
+
+
+@pytest.mark.parametrize("spec", ["ngram", "ngram:2", "model:/some/path", "int8", "layerskip:0-29/2"])
+def test_drafter_grammar_accepts(spec):
+    assert check_drafter_spec(spec) == spec
+
+
+@pytest.mark.parametrize("spec, needle", [("eagle", "unknown drafter 'eagle'"), ("ngram:x", "whole number"),
+                                          ("ngram:0", "whole number"), ("model:", "needs a path"),
+                                          ("int8:4", "no argument"), ("layerskip:", "layer spec"),
+                                          (3, "unknown drafter 3")])
+def test_drafter_grammar_refuses(spec, needle):
+    with pytest.raises(SpecwiseError, match=needle) as e:
+        check_drafter_spec(spec)
+    assert e.value.param == "drafter" and "allowed: ngram" in str(e.value)
+
+
+def test_protocol_and_cli_use_the_same_limit():
+    """The server's request model and the CLI's parser refuse exactly above K_MAX."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from specwise.cli import _k
+    from specwise.server.protocol import SpeculativeOptions
+
+    assert SpeculativeOptions(k=K_MAX).k == K_MAX and _k(str(K_MAX)) == K_MAX
+    with pytest.raises(ValidationError):
+        SpeculativeOptions(k=K_MAX + 1)
+    with pytest.raises(argparse.ArgumentTypeError):
+        _k(str(K_MAX + 1))
