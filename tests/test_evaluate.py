@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import write_tiny_model
 
-from specwise.harness.report import load_run
+from specwise.harness.analyze import load_run
 from specwise.harness.store import Store
 
 
@@ -40,23 +40,23 @@ def quick_run(long_ctx_model, tmp_path_factory):
 def test_quick_run_writes_every_request_and_a_verdict(quick_run):
     out, proc = quick_run
     run = load_run(out / "run.db")
-    assert len(run["records"]) == 4 * 2 * 2  # tasks × configurations × loads
-    assert {r.config for r in run["records"]} == {"baseline", "ngram k=auto"}
-    decision = run["analysis"]["verdicts"]["ngram k=auto"]["concurrent"]["decision"]
+    assert len(run.records) == 4 * 2 * 2  # tasks × configurations × loads
+    assert {r.config for r in run.records} == {"baseline", "ngram k=auto"}
+    decision = run.analysis.verdicts["ngram k=auto"]["concurrent"].decision
     assert f"VERDICT for ngram k=auto (concurrency): {decision.upper()}" in proc.stdout
     assert (out / "report.html").exists()
-    prov = run["provenance"]
+    prov = run.provenance
     assert len(prov["target"]["sha256"]) == 64 and prov["hardware"]["cpu_threads"] >= 1
-    assert prov["specwise_version"] and run["fingerprint"]
+    assert prov["specwise_version"] and run.fingerprint
 
 
 def test_greedy_outputs_are_compared_between_configurations(quick_run):
     run = load_run(quick_run[0] / "run.db")
     by_key = {}
-    for r in run["records"]:
+    for r in run.records:
         by_key.setdefault((r.load, r.task_id), {})[r.config] = r.output
     differing = {k for k, v in by_key.items() if len(set(v.values())) > 1}
-    reported = {(c["load"], t) for c in run["analysis"]["comparisons"] for t in c["mismatches"]}
+    reported = {(c.load, t) for c in run.analysis.comparisons for t in c.mismatches}
     assert reported == differing
 
 
@@ -180,23 +180,23 @@ def test_report_of_a_missing_file():
 def test_evaluate_quick_on_the_embedded_model(tmp_path):
     proc = cli("evaluate", "--quick", "--out", tmp_path, "--no-progress", timeout=900)
     run = load_run(tmp_path / "run.db")
-    assert len(run["records"]) == 16 and all(r.error is None for r in run["records"])
-    verdict = run["analysis"]["verdicts"]["ngram k=auto"]["concurrent"]
-    assert f"VERDICT for ngram k=auto (concurrency): {verdict['decision'].upper()}" in proc.stdout
-    assert all(c["text"] in proc.stdout for c in verdict["clauses"])
+    assert len(run.records) == 16 and all(r.error is None for r in run.records)
+    verdict = run.analysis.verdicts["ngram k=auto"]["concurrent"]
+    assert f"VERDICT for ngram k=auto (concurrency): {verdict.decision.upper()}" in proc.stdout
+    assert all(c.text in proc.stdout for c in verdict.clauses)
     assert (tmp_path / "report.html").read_text().count("<svg") >= 5
-    assert Path(run["provenance"]["target"]["path"]).suffix == ".gguf"
+    assert Path(run.provenance["target"]["path"]).suffix == ".gguf"
 
 
 def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
     cli("evaluate", "--model", long_ctx_model, "--tasks", 4, "--rate", "4", "--max-tokens", 16, "--temperature",
         "0.8", "--out", tmp_path, "--no-progress")
     run = load_run(tmp_path / "run.db")
-    assert {r.load for r in run["records"]} == {"poisson@4"} and len(run["records"]) == 8
-    comp = run["analysis"]["comparisons"]
-    assert comp and all(c["output_length_ks"] is not None and c["mismatches"] == [] for c in comp)
-    assert "rate" in " ".join(cl["text"] for v in run["analysis"]["verdicts"]["ngram k=auto"].values()
-                              for cl in v["clauses"])
+    assert {r.load for r in run.records} == {"poisson@4"} and len(run.records) == 8
+    comp = run.analysis.comparisons
+    assert comp and all(c.output_length_ks is not None and c.mismatches == [] for c in comp)
+    assert "rate" in " ".join(cl.text for v in run.analysis.verdicts["ngram k=auto"].values()
+                              for cl in v.clauses)
 
 
 def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
@@ -206,10 +206,10 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
     cli("evaluate", "--model", long_ctx_model, "--config", cfg, "--tasks", 4, "--concurrency", 1, "--max-tokens", 16,
         "--out", tmp_path / "out", "--no-progress")
     run = load_run(tmp_path / "out" / "run.db")
-    assert run["analysis"]["configs"] == ["base", "ngram-2", "skip"]
-    assert set(run["analysis"]["verdicts"]) == {"ngram-2", "skip"}
-    assert len(run["records"]) == 4 * 3
-    assert run["provenance"]["configs"]["skip"]["draft_identity"]["derived_from"] == run["provenance"]["target"][
+    assert run.analysis.configs == ["base", "ngram-2", "skip"]
+    assert set(run.analysis.verdicts) == {"ngram-2", "skip"}
+    assert len(run.records) == 4 * 3
+    assert run.provenance["configs"]["skip"]["draft_identity"]["derived_from"] == run.provenance["target"][
         "sha256"]
 
 

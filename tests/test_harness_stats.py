@@ -14,7 +14,7 @@ def test_percentiles_of_known_data():
     assert percentile(values, 99) == pytest.approx(99.01)
     assert percentile([], 50) is None
     s = summarize([2.0, 4.0, None])
-    assert s["n"] == 2 and s["mean"] == 3.0 and s["p50"] == 3.0
+    assert s.n == 2 and s.mean == 3.0 and s.p50 == 3.0
 
 
 def test_speedup_point_estimate_is_ratio_of_totals():

@@ -1,16 +1,107 @@
-"""The harness must run from a light install: importing it must not import torch."""
+"""Layering: the harness, the monitor and the shared modules import without torch (they run from a light
+install), and no module of specwise imports itself back through others (no cycle, hidden imports included)."""
 
+import ast
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
-HARNESS = ["specwise.harness." + m for m in (
-    "workload", "validate", "stats", "verdict", "store", "load", "backends", "runner", "analyze", "report",
-    "svgplot", "compare", "evaluate", "http_backend", "requestlog", "monitor")] + ["specwise.errors", "specwise.cli"]
+import specwise
+
+SRC = Path(specwise.__file__).parent
+TORCH_FREE_PACKAGES = ("specwise.harness", "specwise.monitor")
+TORCH_FREE_MODULES = ["specwise", "specwise.errors", "specwise.paths", "specwise.specs", "specwise.speccounts",
+                      "specwise.cli", "specwise.server", "specwise.server.protocol", "specwise.server.command"]
 
 
-def test_harness_modules_do_not_import_torch():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in HARNESS) +
+def all_modules() -> list[str]:
+    return ["specwise"] + [m.name for m in pkgutil.walk_packages([str(SRC)], "specwise.")]
+
+
+def torch_free_modules() -> list[str]:
+    return TORCH_FREE_MODULES + [m for m in all_modules() if m.startswith(tuple(p + "." for p in TORCH_FREE_PACKAGES))
+                                 or m in TORCH_FREE_PACKAGES]
+
+
+def test_the_walk_finds_the_modules_it_must_check():
+    mods = torch_free_modules()
+    assert {"specwise.harness.report", "specwise.monitor.drift", "specwise.harness.runner"} <= set(mods)
+
+
+def test_harness_and_monitor_do_not_import_torch():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in torch_free_modules()) +
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "print(','.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _path(module: str) -> Path:
+    rel = Path(*module.split(".")[1:])
+    return SRC / rel / "__init__.py" if (SRC / rel).is_dir() else SRC / rel.with_suffix(".py")
+
+
+def _type_checking_only(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the specwise modules it imports anywhere in its text (function bodies too; not TYPE_CHECKING)."""
+    known = set(all_modules())
+    graph: dict[str, set[str]] = {}
+    for mod in known:
+        tree = ast.parse(_path(mod).read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        out: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                         for a in node.names]
+            else:
+                continue
+            if _type_checking_only(node, parents):
+                continue
+            out |= {n for n in names if n in known and n != mod}
+        graph[mod] = out
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return [*path[path.index(n):], n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_among_specwise_modules():
+    graph = import_graph()
+    assert graph["specwise.harness.report"] >= {"specwise.harness.analyze"}  # the graph sees real edges
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " → ".join(cycle)

@@ -13,9 +13,9 @@ from dataclasses import asdict
 import pytest
 
 from specwise.harness.backends import Config
-from specwise.harness.monitor import DRIFTED, INVALID, OK, compare, load_baseline, parse_window
-from specwise.harness.requestlog import LogEntry, RequestLog
 from specwise.harness.store import Record, Store
+from specwise.monitor.drift import DRIFTED, INVALID, OK, compare, load_baseline, parse_window
+from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
 
 TARGET = {"name": "tiny", "sha256": "a" * 64}

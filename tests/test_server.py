@@ -418,18 +418,18 @@ def http_run(live, tmp_path_factory):
 
 
 def test_evaluate_endpoint_measures_a_live_server(live, http_run):
-    from specwise.harness.report import load_run
+    from specwise.harness.analyze import load_run
 
     run = load_run(http_run)
-    recs = run["records"]
+    recs = run.records
     assert len(recs) == 4 * 2 * 2 and all(r.error is None for r in recs)
     assert all(r.ttft is not None and r.ttft <= r.e2e and r.output_tokens > 0 for r in recs)
     spec = [r for r in recs if r.config != "baseline"]
     assert sum(r.spec["drafted"] for r in spec) > 0 and all(r.spec.get("drafted", 0) == 0 for r in recs
                                                             if r.config == "baseline")
-    assert all(c["mismatches"] == [] for c in run["analysis"]["comparisons"])  # greedy: same text both ways
-    assert run["provenance"]["target"]["sha256"] == live.state.info["target"]["sha256"]
-    counters = run["server_counters"]
+    assert all(c.mismatches == [] for c in run.analysis.comparisons)  # greedy: same text both ways
+    assert run.provenance["target"]["sha256"] == live.state.info["target"]["sha256"]
+    counters = run.server_counters
     assert counters["ngram k=auto|concurrent@1"][0]["num_draft_tokens"] == sum(
         r.spec["drafted"] for r in spec if r.load == "concurrent@1")
     assert counters["baseline|concurrent@1"][0]["num_draft_tokens"] == 0
@@ -440,7 +440,7 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
 
     from test_evaluate import cli
 
-    from specwise.harness.report import load_run
+    from specwise.harness.analyze import load_run
 
     port = free_port()
     serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny"
@@ -448,11 +448,11 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
                "--launch", f"{serve} --policy never", "--launch", f"{serve} --drafter ngram --k 3",
                "--concurrency", "2", "--out", tmp_path / "out", "--no-progress")
     run = load_run(tmp_path / "out" / "run.db")
-    assert run["analysis"]["configs"] == ["baseline", "speculative"] and len(run["records"]) == 8
-    assert all(r.error is None for r in run["records"])
-    assert run["server_counters"]["speculative|concurrent@2"][0]["num_draft_tokens"] > 0
-    assert run["server_counters"]["baseline|concurrent@2"][0]["num_draft_tokens"] == 0
-    assert run["provenance"]["target"]["path"] == str(tiny_dir)
+    assert run.analysis.configs == ["baseline", "speculative"] and len(run.records) == 8
+    assert all(r.error is None for r in run.records)
+    assert run.server_counters["speculative|concurrent@2"][0]["num_draft_tokens"] > 0
+    assert run.server_counters["baseline|concurrent@2"][0]["num_draft_tokens"] == 0
+    assert run.provenance["target"]["path"] == str(tiny_dir)
     assert (tmp_path / "out" / "server-speculative.log").exists()
     with pytest.raises(httpx.ConnectError):  # both servers were stopped
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
@@ -476,24 +476,40 @@ def test_bad_endpoint_and_launch_input(tmp_path, args, needle):
 
 
 def test_policy_from_a_verdict():
-    from specwise.harness.verdict import policy_from_verdict
+    from specwise.harness.verdict import Verdict, policy_from_verdict
 
-    assert policy_from_verdict({"decision": "reject", "threshold": None}, [1, 4]) == ("never", None)
-    assert policy_from_verdict({"decision": "adopt", "threshold": None}, [1, 4, 8]) == ("auto", 8)
-    assert policy_from_verdict({"decision": "conditional", "threshold": 4.0}, [1, 4, 8]) == ("auto", 4)
-    assert policy_from_verdict({"decision": "conditional", "threshold": 8.0, "everywhere": True}, [1, 8]) == (
+    assert policy_from_verdict(Verdict("reject"), [1, 4]) == ("never", None)
+    assert policy_from_verdict(Verdict("adopt"), [1, 4, 8]) == ("auto", 8)
+    assert policy_from_verdict(Verdict("conditional", 4.0), [1, 4, 8]) == ("auto", 4)
+    assert policy_from_verdict(Verdict("conditional", 8.0, everywhere=True), [1, 8]) == (
         "auto", 8)
+
+
+def test_policy_from_a_run_reads_the_stored_verdicts_without_analysing(http_run, monkeypatch):
+    from specwise.harness import analyze
+    from specwise.harness.results import read_run
+
+    stored = read_run(http_run).stored_verdicts
+    assert stored["ngram k=auto"]["concurrent"] == analyze.load_run(http_run).analysis.verdicts["ngram k=auto"][
+        "concurrent"]  # what evaluate stored is what the analysis finds
+
+    def no_analysis(run):
+        raise AssertionError("analysed again")
+
+    monkeypatch.setattr(analyze, "analyze", no_analysis)
+    mode, high, why = analyze.policy_from_run(str(http_run))
+    assert mode in ("auto", "never") and "ngram k=auto" in why
 
 
 def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_path):
     import subprocess
     import sys
 
-    from specwise.harness.report import load_run
-    from specwise.harness.verdict import policy_from_run, policy_from_verdict
+    from specwise.harness.analyze import load_run, policy_from_run
+    from specwise.harness.verdict import policy_from_verdict
 
     run = load_run(http_run)
-    expected = policy_from_verdict(run["analysis"]["verdicts"]["ngram k=auto"]["concurrent"], [1, 2])
+    expected = policy_from_verdict(run.analysis.verdicts["ngram k=auto"]["concurrent"], [1, 2])
     mode, high, why = policy_from_run(str(http_run))
     assert (mode, high) == expected and "ngram k=auto" in why
     port = free_port()

@@ -174,7 +174,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specwise.server import serve_from_args
+    from specwise.server.command import serve_from_args
 
     return serve_from_args(args)
 
@@ -199,7 +199,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_monitor(args: argparse.Namespace) -> int:
     import time
 
-    from specwise.harness.monitor import check, status
+    from specwise.monitor.drift import check, status
 
     if args.interval <= 0:
         raise SpecwiseError(f"--interval {args.interval} is not allowed: give seconds > 0")
@@ -218,8 +218,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from specwise.harness.analyze import load_run
     from specwise.harness.compare import compare_runs
-    from specwise.harness.report import load_run
 
     text, flagged = compare_runs(load_run(args.a), load_run(args.b))
     print(text)

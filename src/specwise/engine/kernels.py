@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specwise.errors import SpecwiseError
+from specwise.paths import cache_root
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 ABI = 2
@@ -117,7 +118,6 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
         key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_features(),
                                         str(ABI)]).encode()).hexdigest()[:20]
-        from specwise.engine.weights import cache_root
 
         target = cache_root() / "kernels" / key / "libspecwise.so"
         if not target.exists():

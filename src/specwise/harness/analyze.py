@@ -1,5 +1,5 @@
 """From records to the numbers a decision needs: per configuration × load × group statistics, paired speedups with
-bootstrap intervals, greedy equality, and the verdict for each speculative configuration.
+bootstrap intervals, greedy equality, and the verdict for each speculative configuration (typed: results.py).
 
 Groups are reported apart and never averaged together; a task counts in each of its groups.
 """
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
-from specwise.harness.load import parse_load
+from specwise.errors import SpecwiseError
+from specwise.harness.results import Analysis, Comparison, Row, Run, read_run
 from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
-from specwise.harness.store import Record
-from specwise.harness.verdict import Cell, decide
+from specwise.harness.store import Record, Store
+from specwise.harness.verdict import Cell, Verdict, decide, load_name, policy_from_verdict
 from specwise.speccounts import SpecCounts
 
 
@@ -22,84 +24,120 @@ def _tpot(r: Record) -> float | None:
     return (r.e2e - r.ttft) / (r.output_tokens - 1)
 
 
-def config_stats(records: list[Record], phase_seconds: float | None) -> dict:
+def row_stats(config: str, load: str, group: str, records: list[Record], phase_seconds: float | None) -> Row:
     """Latency percentiles, errors, validation, goodput and speculation figures for one set of records."""
     ok = [r for r in records if r.error is None]
     spec = [SpecCounts.from_dict(r.spec) for r in ok if r.spec]
     pooled = SpecCounts.pooled(spec)
     decode = sum(r.decode or 0.0 for r in ok)
     passed = sum(1 for r in ok if r.passed)
-    return {
-        "requests": len(records), "errors": len(records) - len(ok),
-        "error_rate": (len(records) - len(ok)) / len(records) if records else 0.0,
-        "validated": passed, "validation_rate": passed / len(records) if records else 0.0,
-        "goodput": passed / phase_seconds if phase_seconds else None,
-        "ttft": summarize([r.ttft for r in ok]), "tpot": summarize([_tpot(r) for r in ok]),
-        "itl": summarize([x for r in ok for x in r.itl]), "e2e": summarize([r.e2e for r in ok]),
-        "prefill": summarize([r.prefill for r in ok]), "decode": summarize([r.decode for r in ok]),
-        "output_tokens": summarize([r.output_tokens for r in ok]),
-        "acceptance_rate": pooled.acceptance_rate,
-        "mean_acceptance_length": pooled.mean_acceptance_length if pooled.drafted else None,
-        "acceptance_by_position": pooled.acceptance_by_position,
+    n = len(records)
+    return Row(
+        config, load, group, requests=n, errors=n - len(ok), error_rate=(n - len(ok)) / n if n else 0.0,
+        validated=passed, validation_rate=passed / n if n else 0.0,
+        goodput=passed / phase_seconds if phase_seconds else None,
+        ttft=summarize([r.ttft for r in ok]), tpot=summarize([_tpot(r) for r in ok]),
+        itl=summarize([x for r in ok for x in r.itl]), e2e=summarize([r.e2e for r in ok]),
+        prefill=summarize([r.prefill for r in ok]), decode=summarize([r.decode for r in ok]),
+        output_tokens=summarize([r.output_tokens for r in ok]),
+        acceptance_rate=pooled.acceptance_rate,
+        mean_acceptance_length=pooled.mean_acceptance_length if pooled.drafted else None,
+        acceptance_by_position=pooled.acceptance_by_position,
         # drafting time as a share of the decode phase (the client's clock), as the report's draft% column says
-        "drafting_share": pooled.drafting_time / decode if decode and spec else None,
-        "per_request_acceptance": [c.acceptance_rate for c in spec if c.drafted],
-    }
+        drafting_share=pooled.drafting_time / decode if decode and spec else None,
+        per_request_acceptance=[r for c in spec if (r := c.acceptance_rate) is not None])
 
 
-def analyze(records: list[Record], plan: dict, phase_seconds: dict) -> dict:
+def analyze(run: Run) -> Analysis:
     """Every table the report shows, and a verdict per speculative configuration."""
-    configs = [c["name"] for c in plan["configs"]]
+    plan = run.plan
+    configs = [c.name for c in plan.configs]
     baseline, specs = configs[0], configs[1:]
-    loads = plan["loads"]
-    greedy = plan.get("temperature", 0.0) == 0.0
+    greedy = plan.temperature == 0.0
     by: dict[tuple[str, str, str], list[Record]] = defaultdict(list)
     groups: set[str] = set()
-    for r in records:
+    for r in run.records:
         for g in r.groups:
             by[(r.config, r.load, g)].append(r)
             groups.add(g)
     table = []
     for c in configs:
-        for ld in loads:
-            # goodput is per phase (all groups share the phase's wall time)
-            phase = phase_seconds.get(f"{c}|{ld}")
-            for g in sorted(groups):
-                recs = by.get((c, ld, g), [])
-                if recs:
-                    table.append({"config": c, "load": ld, "group": g, **config_stats(recs, phase)})
+        for ld in plan.loads:
+            phase = run.phase_seconds.get(f"{c}|{ld.name}")  # goodput is per phase (its groups share the wall time)
+            table += [row_stats(c, ld.name, g, by[(c, ld.name, g)], phase) for g in sorted(groups)
+                      if by.get((c, ld.name, g))]
     comparisons, verdicts = [], {}
     for s in specs:
         cells_by_kind: dict[str, list[Cell]] = defaultdict(list)
-        for ld in loads:
-            load = parse_load(ld)
+        for load in plan.loads:
             for g in sorted(groups):
-                base = {(r.task_id, r.repeat): r for r in by.get((baseline, ld, g), [])}
-                spec = {(r.task_id, r.repeat): r for r in by.get((s, ld, g), [])}
-                pairs = [(base[k], spec[k]) for k in sorted(base.keys() & spec.keys())
-                         if base[k].error is None and spec[k].error is None]
-                if not pairs:
+                comp = _compare(s, load.name, g, by.get((baseline, load.name, g), []), by.get((s, load.name, g), []),
+                                greedy)
+                if comp is None:
                     continue
-                e2e = speedup_ci([b.e2e for b, _ in pairs], [x.e2e for _, x in pairs])
-                dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
-                mismatches = [b.task_id for b, x in pairs if b.output != x.output] if greedy else []
-                # Sampled runs cannot match token for token: compare the distributions instead.
-                lengths = None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs],
-                                                            [x.output_tokens for _, x in pairs])
-                bstats, sstats = config_stats(list(base.values()), None), config_stats(list(spec.values()), None)
-                comparisons.append({
-                    "config": s, "load": ld, "group": g, "n": len(pairs), "e2e_speedup": e2e.to_dict(),
-                    "decode_speedup": dec.to_dict() if dec else None, "mismatches": mismatches,
-                    "output_length_ks": lengths,
-                    "validation_base": bstats["validation_rate"], "validation_spec": sstats["validation_rate"],
-                    "errors_base": bstats["error_rate"], "errors_spec": sstats["error_rate"],
-                    "ttft_p50_base": bstats["ttft"]["p50"], "ttft_p50_spec": sstats["ttft"]["p50"],
-                })
+                comparisons.append(comp)
+                e = comp.e2e_speedup
                 cells_by_kind[load.kind].append(Cell(
-                    g, load.value, e2e.value, e2e.lo, e2e.hi, e2e.n, bstats["validation_rate"],
-                    sstats["validation_rate"], bstats["error_rate"], sstats["error_rate"], len(mismatches),
-                    lengths["p"] if lengths else None))
-        verdicts[s] = {kind: decide(cells, load_name="concurrency" if kind == "concurrent" else "rate").to_dict()
-                       for kind, cells in cells_by_kind.items()}
-    return {"baseline": baseline, "configs": configs, "loads": loads, "groups": sorted(groups), "table": table,
-            "comparisons": comparisons, "verdicts": verdicts, "greedy": greedy}
+                    g, load.value, e.value, e.lo, e.hi, e.n, validated_base=comp.validation_base,
+                    validated_spec=comp.validation_spec, errors_base=comp.errors_base, errors_spec=comp.errors_spec,
+                    mismatches=len(comp.mismatches),
+                    length_p=comp.output_length_ks["p"] if comp.output_length_ks else None))
+        verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
+    return Analysis(baseline, configs, [ld.name for ld in plan.loads], sorted(groups), table, comparisons,
+                    verdicts, greedy)
+
+
+def _compare(config: str, load: str, group: str, base_recs: list[Record], spec_recs: list[Record],
+             greedy: bool) -> Comparison | None:
+    base = {(r.task_id, r.repeat): r for r in base_recs}
+    spec = {(r.task_id, r.repeat): r for r in spec_recs}
+    pairs = [(base[k], spec[k]) for k in sorted(base.keys() & spec.keys())
+             if base[k].error is None and spec[k].error is None]
+    if not pairs:
+        return None
+    e2e = speedup_ci([b.e2e for b, _ in pairs], [x.e2e for _, x in pairs])
+    if e2e is None:
+        return None
+    dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
+    mismatches = [b.task_id for b, x in pairs if b.output != x.output] if greedy else []
+    # Sampled runs cannot match token for token: compare the distributions instead.
+    lengths = None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs],
+                                                [x.output_tokens for _, x in pairs])
+    bstats = row_stats("", load, group, list(base.values()), None)
+    sstats = row_stats(config, load, group, list(spec.values()), None)
+    return Comparison(config, load, group, len(pairs), e2e, dec, mismatches, lengths,
+                      bstats.validation_rate, sstats.validation_rate, bstats.error_rate, sstats.error_rate,
+                      bstats.ttft.p50, sstats.ttft.p50)
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a results file and analyse it."""
+    run = read_run(path)
+    run.analysis = analyze(run)
+    return run
+
+
+def store_verdicts(path: str | Path, analysis: Analysis) -> None:
+    """Keep the verdicts in the run file, so `serve --policy-from` reads them without re-running the analysis."""
+    store = Store(path)
+    try:
+        store.set_meta("verdicts", {c: {k: v.to_dict() for k, v in by_kind.items()}
+                                    for c, by_kind in analysis.verdicts.items()})
+    finally:
+        store.close()
+
+
+def policy_from_run(path: str) -> tuple[str, int | None, str]:
+    """(mode, high threshold, why) from an evaluation run: its first speculative configuration with a verdict at
+    fixed concurrency levels decides. Uses the verdicts stored at the end of `specwise evaluate`; a run file without
+    them (an older one, or a run cut short) is analysed."""
+    run = read_run(path)
+    verdicts: dict[str, dict[str, Verdict]] = run.stored_verdicts or analyze(run).verdicts
+    for name, by_kind in verdicts.items():
+        v = by_kind.get("concurrent")
+        if v is None:
+            continue
+        mode, high = policy_from_verdict(v, run.plan.concurrency_levels())
+        return mode, high, f"{path}: {name!r} — {v.headline('concurrency')}"
+    raise SpecwiseError(f"{path}: the run has no verdict at fixed concurrency levels, so it gives no load threshold "
+                        "(evaluate with --concurrency)")

@@ -38,6 +38,10 @@ class Config:
             d.update(options=self.options, launch=self.launch)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        return cls(d["name"], d.get("drafter"), d.get("k", "auto"), d.get("options"), d.get("launch"))
+
 
 @dataclass(frozen=True)
 class Request:
@@ -85,7 +89,7 @@ class EngineBackend:
             configs[name] = {
                 "drafter": d.name if d else None, "k": e.k_spec if d else None,
                 "draft_extra_memory_bytes": d.extra_memory_bytes() if d else 0, "draft_device": str(dev) if d else None,
-                "draft_identity": draft_identity(d, self.target),
+                "draft_identity": d.provenance(self.target.identity.sha256) if d else None,
             }
         return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw,
                 "backend": "engine"}
@@ -164,12 +168,4 @@ def _record(config: str, load: Load, req: Request, submitted: float, finished: f
     )
 
 
-def draft_identity(drafter, target) -> dict | None:
-    if drafter is None:
-        return None
-    name = drafter.name
-    if name.startswith("model:"):
-        model = getattr(drafter, "identity", None)
-        return model.to_dict() if model else {"name": name}
-    # n-gram has no weights; int8 and layer-skip are derived from the target's own weights.
-    return {"name": name, "derived_from": target.identity.sha256 if name != "ngram" else None}
+

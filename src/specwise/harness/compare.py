@@ -6,9 +6,11 @@ not a like-for-like result: it is printed, but flagged, and the command exits 1.
 
 from __future__ import annotations
 
+from specwise.harness.results import Run
 
-def _flags(a: dict, b: dict) -> list[str]:
-    pa, pb = a["provenance"], b["provenance"]
+
+def _flags(a: Run, b: Run) -> list[str]:
+    pa, pb = a.provenance, b.provenance
     flags = []
     ta, tb = pa.get("target", {}), pb.get("target", {})
     if ta.get("sha256") != tb.get("sha256"):
@@ -23,23 +25,23 @@ def _flags(a: dict, b: dict) -> list[str]:
     if pa.get("hardware", {}).get("cpu") != pb.get("hardware", {}).get("cpu") or pa.get("hardware", {}).get(
             "gpu") != pb.get("hardware", {}).get("gpu"):
         flags.append("hardware differs")
-    if a["fingerprint"] != b["fingerprint"]:
-        flags.append(f"plan differs (fingerprint {a['fingerprint']} vs {b['fingerprint']})")
+    if a.fingerprint != b.fingerprint:
+        flags.append(f"plan differs (fingerprint {a.fingerprint} vs {b.fingerprint})")
     return flags
 
 
-def compare_runs(a: dict, b: dict) -> tuple[str, bool]:
+def compare_runs(a: Run, b: Run) -> tuple[str, bool]:
     """Text of the side-by-side table and whether anything was flagged."""
-    rows_a = {(c["config"], c["load"], c["group"]): c for c in a["analysis"]["comparisons"]}
-    rows_b = {(c["config"], c["load"], c["group"]): c for c in b["analysis"]["comparisons"]}
-    lines = [f"A: {a['path']}", f"B: {b['path']}", "",
+    rows_a = {(c.config, c.load, c.group): c for c in a.analysed.comparisons}
+    rows_b = {(c.config, c.load, c.group): c for c in b.analysed.comparisons}
+    lines = [f"A: {a.path}", f"B: {b.path}", "",
              f"{'config':>22} {'load':>14} {'group':>12} {'A speedup [CI]':>22} {'B speedup [CI]':>22}"]
     for key in sorted(rows_a.keys() | rows_b.keys()):
         cells = []
         for rows in (rows_a, rows_b):
             c = rows.get(key)
-            e = c and c["e2e_speedup"]
-            cells.append(f"{e['value']:.2f}x [{e['lo']:.2f}–{e['hi']:.2f}]" if e else "-")
+            e = c.e2e_speedup if c else None
+            cells.append(f"{e.value:.2f}x [{e.lo:.2f}–{e.hi:.2f}]" if e else "-")
         lines.append(f"{key[0]:>22} {key[1]:>14} {key[2]:>12} {cells[0]:>22} {cells[1]:>22}")
     flags = _flags(a, b)
     lines.append("")

@@ -111,7 +111,8 @@ def check_output_dir(out: Path) -> None:
 
 
 def evaluate_from_args(args: argparse.Namespace) -> int:
-    from specwise.harness.report import console_summary, html_report, load_run
+    from specwise.harness.analyze import load_run, store_verdicts
+    from specwise.harness.report import console_summary, html_report
 
     # Everything is checked before the model loads or anything is measured.
     if args.launch and not args.endpoint:
@@ -165,6 +166,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         if hasattr(backend, "close"):
             backend.close()
     result = load_run(out / "run.db")
+    store_verdicts(out / "run.db", result.analysed)
     print(console_summary(result))
     (out / "report.html").write_text(html_report(result))
     print(f"\nreport: {out / 'report.html'}")

@@ -9,144 +9,120 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import asdict
 from html import escape
-from pathlib import Path
 
 from specwise.harness import svgplot
-from specwise.harness.analyze import analyze
+from specwise.harness.analyze import load_run
 from specwise.harness.load import parse_load
-from specwise.harness.store import Store
-from specwise.harness.verdict import headline
+from specwise.harness.results import Run
+from specwise.harness.verdict import load_name
 from specwise.speccounts import SpecCounts
 
-
-def load_run(path: str | Path) -> dict:
-    """Read a results file and analyse it."""
-    store = Store(path, create=False)
-    try:
-        plan = store.get_meta("plan")
-        if plan is None:
-            from specwise.errors import SpecwiseError
-
-            raise SpecwiseError(f"{path}: no run in this results file")
-        records = store.records()
-        analysis = analyze(records, plan, store.get_meta("phase_seconds") or {})
-        return {"path": str(path), "plan": plan, "provenance": store.get_meta("provenance") or {},
-                "fingerprint": store.get_meta("fingerprint"), "records": records, "analysis": analysis,
-                "server_counters": store.get_meta("server_counters") or {}}
-    finally:
-        store.close()
+__all__ = ["console_summary", "html_report", "load_run", "plots", "to_csv", "to_json"]
 
 
 def _fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def console_summary(run: dict) -> str:
-    a = run["analysis"]
+def console_summary(run: Run) -> str:
+    a = run.analysed
     lines = []
-    prov = run["provenance"]
+    prov = run.provenance
     target = prov.get("target", {})
-    lines.append(f"run {run['path']}  fingerprint {run['fingerprint']}  specwise {prov.get('specwise_version')}")
+    lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.get('specwise_version')}")
     lines.append(f"target {target.get('name')} (sha256 {str(target.get('sha256'))[:12]}…)  "
                  f"hardware {prov.get('hardware', {}).get('cpu')} ×{prov.get('hardware', {}).get('cpu_threads')}")
     lines.append("")
     lines.append(f"{'config':>22} {'load':>14} {'group':>12} {'n':>3} {'E2E speedup [95% CI]':>24} "
                  f"{'decode ×':>8} {'valid b→s':>11} {'mismatch':>8}")
-    for c in a["comparisons"]:
-        e = c["e2e_speedup"]
-        d = c["decode_speedup"]
-        lines.append(f"{c['config']:>22} {c['load']:>14} {c['group']:>12} {c['n']:>3} "
-                     f"{e['value']:>8.2f}x [{e['lo']:.2f}–{e['hi']:.2f}]    {_fmt(d and d['value'], '.2f'):>8} "
-                     f"{c['validation_base']:>4.0%}→{c['validation_spec']:<4.0%} {len(c['mismatches']):>8}")
+    for c in a.comparisons:
+        e, d = c.e2e_speedup, c.decode_speedup
+        lines.append(f"{c.config:>22} {c.load:>14} {c.group:>12} {c.n:>3} "
+                     f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
+                     f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}")
     lines.append("")
     lines.append(f"{'config':>22} {'load':>14} {'group':>12} {'E2E p50':>8} {'p90':>7} {'p99':>7} {'TTFT p50':>8} "
                  f"{'TPOT p50':>8} {'accept':>6} {'MAL':>5} {'draft%':>6} {'goodput/s':>9}")
-    for row in a["table"]:
-        lines.append(f"{row['config']:>22} {row['load']:>14} {row['group']:>12} {_fmt(row['e2e']['p50'], '.2f'):>8} "
-                     f"{_fmt(row['e2e']['p90'], '.2f'):>7} {_fmt(row['e2e']['p99'], '.2f'):>7} "
-                     f"{_fmt(row['ttft']['p50']):>8} {_fmt(row['tpot']['p50']):>8} "
-                     f"{_fmt(row['acceptance_rate'], '.2f'):>6} {_fmt(row['mean_acceptance_length'], '.2f'):>5} "
-                     f"{_fmt(row['drafting_share'] and 100 * row['drafting_share'], '.1f'):>6} "
-                     f"{_fmt(row['goodput'], '.3f'):>9}")
-    if run.get("server_counters"):
+    for row in a.table:
+        lines.append(f"{row.config:>22} {row.load:>14} {row.group:>12} {_fmt(row.e2e.p50, '.2f'):>8} "
+                     f"{_fmt(row.e2e.p90, '.2f'):>7} {_fmt(row.e2e.p99, '.2f'):>7} "
+                     f"{_fmt(row.ttft.p50):>8} {_fmt(row.tpot.p50):>8} "
+                     f"{_fmt(row.acceptance_rate, '.2f'):>6} {_fmt(row.mean_acceptance_length, '.2f'):>5} "
+                     f"{_fmt(row.drafting_share and 100 * row.drafting_share, '.1f'):>6} "
+                     f"{_fmt(row.goodput, '.3f'):>9}")
+    if run.server_counters:
         lines.append("")
         lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")
         lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
-        for key, deltas in run["server_counters"].items():
+        for key, deltas in run.server_counters.items():
             # vLLM's counters: a draft is one verification step that was given draft tokens
             c = SpecCounts(steps=round(sum(d["num_drafts"] for d in deltas)),
                            drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
                            accepted=round(sum(d["num_accepted_tokens"] for d in deltas)))
             lines.append(f"{key:>38} {c.steps:>8} {c.drafted:>9} {c.accepted:>9} "
                          f"{_fmt(c.acceptance_rate, '.2f'):>6} {_fmt(c.mean_acceptance_length, '.2f'):>5}")
-    for config, by_kind in a["verdicts"].items():
+    for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
             lines.append("")
             lines.append(f"VERDICT for {config} ({'concurrency' if kind == 'concurrent' else 'arrival rate'}): "
-                         f"{verdict_headline(v, kind)}")
-            lines += [f"  [{'ok' if cl['ok'] else '!!'}] {cl['text']}" for cl in v["clauses"]]
+                         f"{v.headline(load_name(kind))}")
+            lines += [f"  [{'ok' if cl.ok else '!!'}] {cl.text}" for cl in v.clauses]
     return "\n".join(lines)
 
 
-def verdict_headline(v: dict, kind: str) -> str:
-    return headline(v, "concurrency" if kind == "concurrent" else "rate")
-
-
-def plots(run: dict) -> dict[str, str]:
+def plots(run: Run) -> dict[str, str]:
     """Every plot of the report, by name."""
-    a = run["analysis"]
+    a = run.analysed
     out = {}
-    rows = [(f"{c['group']} {c['load']}", c["e2e_speedup"]["value"], c["e2e_speedup"]["lo"], c["e2e_speedup"]["hi"])
-            for c in a["comparisons"]]
+    rows = [(f"{c.group} {c.load}", c.e2e_speedup.value, c.e2e_speedup.lo, c.e2e_speedup.hi) for c in a.comparisons]
     out["speedup"] = svgplot.interval_chart("E2E speedup per group (95% CI)", rows, x_label="baseline E2E / spec E2E")
+    first = a.groups[0] if a.groups else None
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in a["table"]:
-        load = parse_load(row["load"])
-        if row["e2e"]["p50"] is not None and row["group"] == a["groups"][0]:
-            series.setdefault(f"{row['config']} ({load.kind})", []).append((load.value, row["e2e"]["p50"]))
-    first = a["groups"][0] if a["groups"] else "-"
-    out["latency_vs_load"] = svgplot.line_chart(f"E2E p50 against load (group {first})", series,
+    for row in a.table:
+        load = parse_load(row.load)
+        if row.e2e.p50 is not None and row.group == first:
+            series.setdefault(f"{row.config} ({load.kind})", []).append((load.value, row.e2e.p50))
+    out["latency_vs_load"] = svgplot.line_chart(f"E2E p50 against load (group {first or '-'})", series,
                                                 "concurrency / rate", "seconds")
-    spec_rows = [r for r in a["table"] if r["config"] != a["baseline"]]
-    accs = [x for r in spec_rows if r["group"] == (a["groups"][0] if a["groups"] else None)
-            for x in r["per_request_acceptance"]]
+    spec_rows = [r for r in a.table if r.config != a.baseline]
+    accs = [x for r in spec_rows if r.group == first for x in r.per_request_acceptance]
     out["acceptance_histogram"] = svgplot.histogram("Per-request acceptance rate (speculative)", accs,
                                                     x_label="acceptance rate")
     by_pos: dict[int, list[float]] = {}
     for r in spec_rows:
-        for i, v in enumerate(r["acceptance_by_position"]):
+        for i, v in enumerate(r.acceptance_by_position):
             by_pos.setdefault(i, []).append(v)
     out["acceptance_by_position"] = svgplot.bar_chart(
         "Acceptance by draft position", [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())],
         "position", "acceptance", y_max=1.0)
     pts: dict[str, list[tuple[float, float]]] = {}
-    for r in run["records"]:
-        if r.error is None and r.ttft is not None and r.e2e is not None:
-            pts.setdefault(r.config, []).append((r.ttft, r.e2e))
+    for rec in run.records:
+        if rec.error is None and rec.ttft is not None and rec.e2e is not None:
+            pts.setdefault(rec.config, []).append((rec.ttft, rec.e2e))
     out["ttft_vs_e2e"] = svgplot.scatter("TTFT against E2E per request", pts, "TTFT (s)", "E2E (s)")
     return out
 
 
-def html_report(run: dict) -> str:
-    a = run["analysis"]
-    prov = run["provenance"]
+def html_report(run: Run) -> str:
+    a = run.analysed
+    prov = run.provenance
     figs = "".join(f'<figure data-plot="{name}">{svg}</figure>' for name, svg in plots(run).items())
     verdicts = ""
-    for config, by_kind in a["verdicts"].items():
+    for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
-            items = "".join(f'<li class="{"ok" if c["ok"] else "bad"}">{escape(c["text"])}</li>' for c in v["clauses"])
-            verdicts += (f'<section class="verdict {v["decision"]}"><h2>{escape(config)}: '
-                         f'{escape(verdict_headline(v, kind))}</h2><ul>{items}</ul></section>')
+            items = "".join(f'<li class="{"ok" if c.ok else "bad"}">{escape(c.text)}</li>' for c in v.clauses)
+            verdicts += (f'<section class="verdict {v.decision}"><h2>{escape(config)}: '
+                         f'{escape(v.headline(load_name(kind)))}</h2><ul>{items}</ul></section>')
     head = ["config", "load", "group", "n", "E2E speedup", "95% CI", "decode speedup", "valid base", "valid spec",
             "mismatches"]
     rows = "".join(
         "<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in (
-            c["config"], c["load"], c["group"], c["n"], f"{c['e2e_speedup']['value']:.2f}x",
-            f"{c['e2e_speedup']['lo']:.2f}–{c['e2e_speedup']['hi']:.2f}",
-            _fmt(c["decode_speedup"] and c["decode_speedup"]["value"], ".2f"),
-            f"{c['validation_base']:.0%}", f"{c['validation_spec']:.0%}", len(c["mismatches"]))) + "</tr>"
-        for c in a["comparisons"])
+            c.config, c.load, c.group, c.n, f"{c.e2e_speedup.value:.2f}x",
+            f"{c.e2e_speedup.lo:.2f}–{c.e2e_speedup.hi:.2f}", _fmt(c.decode_speedup and c.decode_speedup.value, ".2f"),
+            f"{c.validation_base:.0%}", f"{c.validation_spec:.0%}", len(c.mismatches))) + "</tr>"
+        for c in a.comparisons)
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
     provenance = escape(json.dumps({k: prov.get(k) for k in ("specwise_version", "target", "configs", "hardware")},
                                    indent=2))
@@ -157,27 +133,25 @@ table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;pad
 .verdict{{border-left:6px solid #999;padding:0.2em 1em;margin:1em 0}}.adopt{{border-color:#59a14f}}
 .conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}li.bad{{color:#b00}}
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
-<h1>specwise evaluation</h1><p>Run <code>{escape(run['path'])}</code>, fingerprint
-<code>{escape(str(run['fingerprint']))}</code>, workload <b>{escape(run['plan']['workload']['name'])}</b>,
-configurations {escape(', '.join(a['configs']))}, loads {escape(', '.join(a['loads']))}.</p>
+<h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
+<code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
+configurations {escape(', '.join(a.configs))}, loads {escape(', '.join(a.loads))}.</p>
 {verdicts}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 
-def to_json(run: dict) -> str:
-    from dataclasses import asdict
-
-    return json.dumps({"plan": run["plan"], "provenance": run["provenance"], "fingerprint": run["fingerprint"],
-                       "analysis": run["analysis"], "records": [asdict(r) for r in run["records"]]}, indent=2)
+def to_json(run: Run) -> str:
+    return json.dumps({"plan": run.plan_meta, "provenance": run.provenance, "fingerprint": run.fingerprint,
+                       "analysis": run.analysed.to_dict(), "records": [asdict(r) for r in run.records]}, indent=2)
 
 
-def to_csv(run: dict) -> str:
+def to_csv(run: Run) -> str:
     buf = io.StringIO()
     fields = ["config", "load", "task_id", "repeat", "groups", "prompt_tokens", "output_tokens", "ttft", "e2e",
               "prefill", "decode", "drafted", "accepted", "passed", "error"]
     w = csv.DictWriter(buf, fieldnames=fields)
     w.writeheader()
-    for r in run["records"]:
+    for r in run.records:
         w.writerow({"config": r.config, "load": r.load, "task_id": r.task_id, "repeat": r.repeat,
                     "groups": "|".join(r.groups), "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                     "ttft": r.ttft, "e2e": r.e2e, "prefill": r.prefill, "decode": r.decode,

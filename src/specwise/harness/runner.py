@@ -104,6 +104,7 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
     store.set_meta("plan", meta)
     store.set_meta("fingerprint", plan.fingerprint())
     store.set_meta("provenance", {**info, "specwise_version": __version__})
+    store.set_meta("verdicts", None)  # stored by evaluate once the run is complete and analysed
     phases = store.get_meta("phase_seconds") or {}
     tasks = {t.id: t for t in plan.workload.tasks}
     todo = [(c, ld, t, r) for ld in plan.loads for r in range(plan.repeats) for t in plan.workload.tasks

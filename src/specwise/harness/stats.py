@@ -20,13 +20,24 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def summarize(values: Sequence[float]) -> dict:
-    """n, mean, p50, p90, p99 of a list of measurements (None where there are none)."""
+@dataclass(frozen=True)
+class Summary:
+    """n, mean, p50, p90, p99 of some measurements (None where there are none)."""
+
+    n: int = 0
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+def summarize(values: Sequence[float | None]) -> Summary:
+    """The summary of a list of measurements, Nones left out."""
     arr = np.asarray([v for v in values if v is not None], dtype=float)
     if not len(arr):
-        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+        return Summary()
     p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"n": len(arr), "mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    return Summary(len(arr), float(arr.mean()), float(p50), float(p90), float(p99))
 
 
 @dataclass(frozen=True)

@@ -55,21 +55,28 @@ class Verdict:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        return cls(d["decision"], d.get("threshold"), list(d.get("groups") or []),
+                   [Clause(c["ok"], c["text"]) for c in d.get("clauses") or []], bool(d.get("everywhere")))
+
     def headline(self, load_name: str = "load") -> str:
-        return headline(self.to_dict(), load_name)
+        """One line saying what to do."""
+        if self.decision == ADOPT:
+            return "ADOPT — speculation pays off in every group at every load measured"
+        if self.decision == CONDITIONAL:
+            groups = ", ".join(self.groups)
+            if self.everywhere:
+                return (f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
+                        f"{self.threshold:g}); no reliable gain shown for the other groups")
+            return (f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {self.threshold:g}; turn speculation off "
+                    "above it")
+        return "REJECT — speculation does not pay off reliably here"
 
 
-def headline(v: dict, load_name: str = "load") -> str:
-    """One line saying what to do, from a verdict (as stored: a dict)."""
-    if v["decision"] == ADOPT:
-        return "ADOPT — speculation pays off in every group at every load measured"
-    if v["decision"] == CONDITIONAL:
-        groups = ", ".join(v["groups"])
-        if v.get("everywhere"):
-            return (f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
-                    f"{v['threshold']:g}); no reliable gain shown for the other groups")
-        return f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {v['threshold']:g}; turn speculation off above it"
-    return "REJECT — speculation does not pay off reliably here"
+def load_name(kind: str) -> str:
+    """How a verdict over loads of `kind` names its load: concurrency, or arrival rate."""
+    return "concurrency" if kind == "concurrent" else "rate"
 
 
 def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance: float = 0.0,
@@ -135,28 +142,10 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
     return Verdict(REJECT, clauses=clauses)
 
 
-def policy_from_verdict(v: dict, loads: list[float]) -> tuple[str, int | None]:
+def policy_from_verdict(v: Verdict, loads: list[float]) -> tuple[str, int | None]:
     """The load policy a concurrency verdict justifies: adopt → drafting on up to the highest concurrency measured
     (nothing is known above it); conditional → on up to its threshold; reject → never."""
-    if v["decision"] == REJECT:
+    if v.decision == REJECT:
         return "never", None
-    high = v["threshold"] if v["decision"] == CONDITIONAL and not v.get("everywhere") else max(loads)
+    high = v.threshold if v.decision == CONDITIONAL and not v.everywhere and v.threshold is not None else max(loads)
     return "auto", max(int(high), 1)
-
-
-def policy_from_run(path: str) -> tuple[str, int | None, str]:
-    """(mode, high threshold, why) from an evaluation run: its first speculative configuration with a verdict at
-    fixed concurrency levels decides."""
-    from specwise.errors import SpecwiseError
-    from specwise.harness.report import load_run
-
-    run = load_run(path)
-    for name, by_kind in run["analysis"]["verdicts"].items():
-        v = by_kind.get("concurrent")
-        if v is None:
-            continue
-        loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
-        mode, high = policy_from_verdict(v, loads)
-        return mode, high, f"{path}: {name!r} — {headline(v, 'concurrency')}"
-    raise SpecwiseError(f"{path}: the run has no verdict at fixed concurrency levels, so it gives no load threshold "
-                        "(evaluate with --concurrency)")

@@ -63,9 +63,7 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         draft = load_target(arg, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, arg)
         extra = draft.model.weight_bytes()
-        drafter = ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra)
-        drafter.identity = draft.identity  # provenance: which draft weights, by hash
-        return drafter
+        return ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra, draft.identity)
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
 
 

@@ -47,3 +47,8 @@ class Drafter(Protocol):
     def extra_memory_bytes(self) -> int:
         """Memory the drafter adds beyond the target (weights it does not share, its own cache)."""
         ...
+
+    def provenance(self, target_sha256: str) -> dict:
+        """What the drafter's proposals come from, for run records and the request log: its own weights' identity,
+        the target's hash when derived from the target's weights, or none (model-free)."""
+        ...

@@ -19,8 +19,10 @@ LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is 
 class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
-    def __init__(self, model: torch.nn.Module, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int):
+    def __init__(self, model: torch.nn.Module, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int,
+                 identity=None):
         self.model, self.name = model, name
+        self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
         self.cache = model.new_cache(num_slots, cache_len)
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
         self._extra_weights = extra_weight_bytes
@@ -28,6 +30,11 @@ class ModelDrafter:
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
+
+    def provenance(self, target_sha256: str) -> dict:
+        if self.identity is not None:
+            return self.identity.to_dict()
+        return {"name": self.name, "derived_from": target_sha256}
 
     def release(self, slot: int) -> None:
         self.seen.pop(slot, None)

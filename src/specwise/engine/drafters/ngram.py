@@ -42,6 +42,9 @@ class NgramDrafter:
             out.append(Draft(tokens))
         return out
 
+    def provenance(self, target_sha256: str) -> dict:
+        return {"name": self.name, "derived_from": None}  # no weights: proposals come from the text alone
+
     def release(self, slot: int) -> None:
         pass
 

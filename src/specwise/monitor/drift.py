@@ -23,12 +23,14 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from specwise.errors import SpecwiseError
-from specwise.harness.requestlog import LogEntry, RequestLog
+from specwise.harness.results import read_run
 from specwise.harness.stats import ks_two_sample
+from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
 
 OK, DRIFTED, INVALID = "ok", "drifted", "invalid"
@@ -87,39 +89,27 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
 
     Only the plan, provenance and records are read (no analysis), once per file version: `--watch` and the
     server's gauges call this again and again."""
-    from pathlib import Path
-
-    from specwise.harness.store import Store
-
     try:
         key = (str(Path(path).resolve()), Path(path).stat().st_mtime_ns, drafter)
     except OSError:
         key = None
     if key in _BASELINES:
         return _BASELINES[key]
-    store = Store(path, create=False)
-    try:
-        run = {"plan": store.get_meta("plan"), "provenance": store.get_meta("provenance") or {},
-               "records": store.records()}
-    finally:
-        store.close()
-    if run["plan"] is None:
-        raise SpecwiseError(f"{path}: no run in this results file")
-    configs = run["plan"]["configs"]
-    spec = configs[1:]
+    run = read_run(path)
+    spec = run.plan.configs[1:]
     if not spec:
         raise SpecwiseError(f"{path}: the run has no speculative configuration to compare with")
-    chosen = next((c for c in spec if drafter and c.get("drafter") and _same_drafter(c["drafter"], drafter)), spec[0])
-    recs = [r for r in run["records"] if r.config == chosen["name"] and r.error is None]
+    chosen = next((c for c in spec if drafter and c.drafter and _same_drafter(c.drafter, drafter)), spec[0])
+    recs = [r for r in run.records if r.config == chosen.name and r.error is None]
     if not recs:
-        raise SpecwiseError(f"{path}: the run holds no finished requests of {chosen['name']!r}")
-    prov = run["provenance"]
-    loads = [float(ld.split("@", 1)[1]) for ld in run["plan"]["loads"] if ld.startswith("concurrent@")]
+        raise SpecwiseError(f"{path}: the run holds no finished requests of {chosen.name!r}")
+    prov = run.provenance
+    loads = run.plan.concurrency_levels()
     samples = [_sample(SpecCounts.from_dict(r.spec), r.prompt_tokens, r.output_tokens) for r in recs]
     base = Baseline(
-        path=path, config=chosen["name"], target=prov.get("target") or {},
-        draft=(prov.get("configs", {}).get(chosen["name"]) or {}).get("draft_identity"),
-        drafter=chosen.get("drafter"),
+        path=path, config=chosen.name, target=prov.get("target") or {},
+        draft=(prov.get("configs", {}).get(chosen.name) or {}).get("draft_identity"),
+        drafter=chosen.drafter,
         acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
         prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],

@@ -11,12 +11,14 @@ import collections
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from specwise.engine.engine import GenerationResult, Sequence
-from specwise.harness.backends import draft_identity
-from specwise.harness.monitor import Baseline, compare
-from specwise.harness.requestlog import LogEntry, RequestLog
+from specwise.monitor.drift import Baseline, compare
+from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
+
+if TYPE_CHECKING:  # the server hands in the engine's objects; importing them would pull torch in
+    from specwise.engine.engine import GenerationResult, Sequence
 
 log = logging.getLogger("specwise.server")
 
@@ -37,7 +39,7 @@ class DriftWatch:
     def _draft(self, name: str | None) -> dict | None:
         if name not in self._identities:
             d = self.engine.drafters.get(name) if name else None
-            self._identities[name] = draft_identity(d, self.engine.target) if d else None
+            self._identities[name] = d.provenance(self.engine.target.identity.sha256) if d else None
         return self._identities[name]
 
     def on_finish(self, seq: Sequence, result: GenerationResult, record: dict) -> None:

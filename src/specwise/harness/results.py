@@ -1,0 +1,148 @@
+"""The typed results of an evaluation: what a run file holds (`Run`) and what its analysis finds (`Analysis`).
+
+One result, several outputs: the console summary, the HTML page, JSON and CSV (report.py), `specwise compare`,
+`specwise monitor`'s baseline and `serve --policy-from` all read these types; none re-parses a dict. Reading a run
+(`read_run`) is apart from analysing it (analyze.py), so a reader that needs only records or the stored verdicts
+does not pay for the bootstrap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specwise.errors import SpecwiseError
+from specwise.harness.backends import Config
+from specwise.harness.load import Load, parse_load
+from specwise.harness.stats import Interval, Summary
+from specwise.harness.store import Record, Store
+from specwise.harness.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class StoredPlan:
+    """The plan as the run file holds it (`Plan.to_meta`): the workload by name and task ids, not its texts."""
+
+    workload: str
+    source: str | None
+    tasks: list[tuple[str, int]]  # (task id, output limit)
+    configs: list[Config]
+    loads: list[Load]
+    repeats: int
+    seed: int
+    temperature: float
+    model: str | None
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> StoredPlan:
+        w = meta["workload"]
+        return cls(w["name"], w.get("source"), [(t, n) for t, n in w["tasks"]],
+                   [Config.from_dict(c) for c in meta["configs"]], [parse_load(ld) for ld in meta["loads"]],
+                   meta["repeats"], meta["seed"], meta["temperature"], meta.get("model"))
+
+    @property
+    def baseline(self) -> Config:
+        return self.configs[0]
+
+    def concurrency_levels(self) -> list[float]:
+        return [ld.value for ld in self.loads if ld.kind == "concurrent"]
+
+
+@dataclass
+class Row:
+    """Statistics of one configuration × load × workload group."""
+
+    config: str
+    load: str
+    group: str
+    requests: int
+    errors: int
+    error_rate: float
+    validated: int
+    validation_rate: float
+    goodput: float | None  # validated requests per second of the phase
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2e: Summary
+    prefill: Summary
+    decode: Summary
+    output_tokens: Summary
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    acceptance_by_position: list[float]
+    drafting_share: float | None  # drafting time over the decode phase (the client's clock)
+    per_request_acceptance: list[float]
+
+
+@dataclass
+class Comparison:
+    """A speculative configuration against the baseline, paired task by task, in one group at one load."""
+
+    config: str
+    load: str
+    group: str
+    n: int
+    e2e_speedup: Interval
+    decode_speedup: Interval | None
+    mismatches: list[str]  # greedy: ids of tasks whose outputs differ
+    output_length_ks: dict | None  # sampled runs: {"d", "p"} of the output-length KS test
+    validation_base: float
+    validation_spec: float
+    errors_base: float
+    errors_spec: float
+    ttft_p50_base: float | None
+    ttft_p50_spec: float | None
+
+
+@dataclass
+class Analysis:
+    baseline: str
+    configs: list[str]
+    loads: list[str]
+    groups: list[str]
+    table: list[Row]
+    comparisons: list[Comparison]
+    verdicts: dict[str, dict[str, Verdict]]  # config → load kind ("concurrent" / "poisson") → verdict
+    greedy: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Run:
+    """One results file: the plan, what was measured and where, and (once analysed) the analysis."""
+
+    path: str
+    plan: StoredPlan
+    plan_meta: dict  # as stored: the JSON output and --resume compare this exact form
+    provenance: dict
+    fingerprint: str | None
+    records: list[Record]
+    phase_seconds: dict[str, float]
+    server_counters: dict[str, list[dict]]
+    stored_verdicts: dict[str, dict[str, Verdict]] = field(default_factory=dict)
+    analysis: Analysis | None = None
+
+    @property
+    def analysed(self) -> Analysis:
+        if self.analysis is None:
+            raise RuntimeError("this run has not been analysed: use analyze.load_run")
+        return self.analysis
+
+
+def read_run(path: str | Path) -> Run:
+    """A run file's contents, without analysing them."""
+    store = Store(path, create=False)
+    try:
+        meta = store.get_meta("plan")
+        if meta is None:
+            raise SpecwiseError(f"{path}: no run in this results file")
+        verdicts = {c: {k: Verdict.from_dict(v) for k, v in by_kind.items()}
+                    for c, by_kind in (store.get_meta("verdicts") or {}).items()}
+        return Run(str(path), StoredPlan.from_meta(meta), meta, store.get_meta("provenance") or {},
+                   store.get_meta("fingerprint"), store.records(), store.get_meta("phase_seconds") or {},
+                   store.get_meta("server_counters") or {}, verdicts)
+    finally:
+        store.close()

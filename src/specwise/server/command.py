@@ -1,0 +1,92 @@
+"""`specwise serve`: check every flag before the model loads, then load it, start the scheduler and serve.
+
+Only the engine, the web stack and the monitor's parts a flag asks for are imported late: `specwise --help` and a
+refused flag must stay fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specwise.errors import SpecwiseError
+
+
+def parse_threshold(text: str) -> tuple[int, int | None]:
+    """'8' → (8, None); '8:4' → (8, 4)."""
+    high, _, low = text.partition(":")
+    if not high.isdigit() or (low and not low.isdigit()):
+        raise SpecwiseError(f"--policy-threshold {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, "
+                            "e.g. 4 or 4:2): drafting stops above HIGH running+waiting requests, resumes at LOW")
+    return int(high), int(low) if low else None
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
+    from specwise.engine.scheduler import Policy  # imports torch
+
+    if not 0 <= args.port <= 65535:
+        raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
+    if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
+        raise SpecwiseError("--max-queue, --max-batch and --prefill-chunk must be ≥ 1")
+    if args.max_body < 1024:
+        raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
+    why = None
+    if args.policy_from:
+        from specwise.harness.analyze import policy_from_run
+
+        mode, high, why = policy_from_run(args.policy_from)
+        policy = Policy(mode, high or 1)
+    else:
+        high, low = parse_threshold(args.policy_threshold)
+        policy = Policy(args.policy, high, low)
+    drafters = [d for d in (args.drafters or "").split(",") if d]
+    if args.log_text and not args.log:
+        raise SpecwiseError("--log-text needs --log PATH (it adds prompt and output text to the request log)")
+    baseline, window = None, None
+    if args.drift_baseline:  # checked before the model loads
+        from specwise.monitor.drift import load_baseline, parse_window
+
+        window = parse_window(args.drift_window) or float("inf")
+        baseline = load_baseline(args.drift_baseline, args.drafter)
+    if args.log:
+        from specwise.monitor.requestlog import RequestLog
+
+        RequestLog(args.log).close()  # a path that cannot hold a log fails now, not at the first request
+    if policy.mode != "never" and not args.drafter and not drafters:
+        print("specwise serve: no --drafter given, so every request decodes plainly", file=sys.stderr)
+
+    import uvicorn
+
+    from specwise.engine import Engine, load_target
+    from specwise.server.app import ServerState, create_app
+
+    target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len,
+                    prefill_chunk=args.prefill_chunk)
+    for spec in drafters:
+        engine.add_drafter(spec)
+    name = args.served_model_name or target.identity.name.removesuffix(".gguf")
+    state = ServerState.build(engine, name, policy, args.max_queue, args.api_key)
+    scheduler = state.scheduler
+    watch = None
+    if args.log or baseline is not None:
+        from specwise.monitor.live import DriftWatch
+
+        watch = DriftWatch(engine, args.log, args.log_text, baseline, window)
+        state.on_finish.append(watch.on_finish)
+        state.metrics.extra_gauges = watch.gauges
+    app = create_app(state, max_body=args.max_body)
+    scheduler.start()
+    print(f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
+          f"{', '.join(engine.drafters) or 'none'}; policy: {policy.describe()}" + (f" [{why}]" if why else ""),
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        scheduler.stop()
+        if watch is not None:
+            watch.close()
+    return 0
