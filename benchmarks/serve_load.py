@@ -108,7 +108,7 @@ def main() -> None:
             reqs = [Request(t.id, list(t.groups), rnd, i, t.request, args.max_tokens)
                     for i, t in enumerate((tasks * 4)[:n])]
             recs = []
-            seconds = backends[m].run(m, Load("concurrent", c), reqs, recs.append)
+            seconds = backends[m].run(m, Load("concurrent", c), reqs, recs.append).seconds
             errors = [r.error for r in recs if r.error]
             if errors:
                 raise SystemExit(f"{m} @ {c}: {errors[0]}")

@@ -1,10 +1,11 @@
-"""Systems under test. The in-process engine backend runs every configuration on one copy of the target weights.
+"""Systems under test: what the runner may ask of one (`Backend`), the one dispatch loop that puts a phase's
+requests under its load (`dispatch`), and the in-process engine backend, which runs every configuration on one copy
+of the target weights (the HTTP backend, for any OpenAI-compatible server, is http_backend.py).
 
 A backend runs one phase — a list of requests under one load, for one configuration — and hands each finished
 request to `on_record` as it completes. TTFT, inter-chunk latencies and E2E are taken as a client sees them (from
 submission to streamed output); prefill, decode and speculation statistics come from the engine. The engine is
-imported only when this backend is built, so the rest of the harness never imports torch. (The HTTP backend for any
-OpenAI-compatible server plugs in at the same seam.)
+imported only when this backend is built, so the rest of the harness never imports torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from specwise.harness.load import Load
 from specwise.harness.store import Record
@@ -53,6 +55,71 @@ class Request:
     max_tokens: int
 
 
+@dataclass(frozen=True)
+class Phase:
+    """What one phase measured besides its records: its wall time, and the server's own spec-decode counters over
+    it where the server exposes them (None otherwise)."""
+
+    seconds: float
+    counters: dict | None = None
+
+
+class Backend(Protocol):
+    """What the runner may ask of a system under test."""
+
+    whole_phases: bool  # True when switching configuration is costly (a server restart): switch per phase only
+
+    def info(self) -> dict:
+        """Provenance: target identity, each configuration's drafter, hardware."""
+        ...
+
+    def warm_up(self) -> None:
+        """Pay one-time costs before anything is measured."""
+        ...
+
+    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
+            progress: Callable[[], None] | None = None) -> Phase:
+        """Run one phase, handing each finished request to `on_record` on the calling thread."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (servers it launched, connections)."""
+        ...
+
+
+def dispatch(load: Load, requests: list[Request], submit: Callable[[Request], None],
+             poll: Callable[[float | None], list[Record]], on_record: Callable[[Record], None],
+             progress: Callable[[], None] | None = None) -> float:
+    """The load loop every backend shares; returns the phase's wall time in seconds.
+
+    Closed loop (`concurrent@N`): keep N requests in flight. Open loop (`poisson@R`): submit each request at its
+    arrival time, whatever is in flight — the same schedule for every configuration (a paired comparison) and every
+    run of the plan. `submit` starts a request without waiting for it; `poll(timeout)` advances or waits for the
+    backend (up to `timeout` seconds, None = until something finishes) and returns the records that finished.
+    """
+    pending = list(requests)
+    arrivals = load.arrivals(len(pending), seed=zlib.crc32(load.name.encode())) if load.kind == "poisson" else None
+    start = time.perf_counter()
+    submitted = finished = 0
+    while finished < len(requests):
+        if arrivals is None:
+            while pending and submitted - finished < load.value:
+                submit(pending.pop(0))
+                submitted += 1
+            timeout = None
+        else:
+            while pending and time.perf_counter() - start >= arrivals[submitted]:
+                submit(pending.pop(0))
+                submitted += 1
+            timeout = max(0.0, arrivals[submitted] - (time.perf_counter() - start)) if pending else None
+        for rec in poll(timeout):
+            finished += 1
+            on_record(rec)
+            if progress:
+                progress()
+    return time.perf_counter() - start
+
+
 def hardware() -> dict:
     """CPU model and thread count of this machine (the engine backend adds the accelerator)."""
     cpu = platform.processor() or platform.machine()
@@ -67,6 +134,8 @@ def hardware() -> dict:
 
 class EngineBackend:
     """Runs configurations on the in-process engine; one target load, one engine per configuration."""
+
+    whole_phases = False
 
     def __init__(self, model: str | None, configs: list[Config], device: str = "cpu", max_batch: int = 8,
                  max_len: int = 1536, temperature: float = 0.0, dtype: str = "auto", quantize: str | None = None):
@@ -102,47 +171,32 @@ class EngineBackend:
             e.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))
 
     def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
-            progress: Callable[[], None] | None = None) -> float:
-        """Run one phase; returns its wall time in seconds."""
+            progress: Callable[[], None] | None = None) -> Phase:
+        """Run one phase on this configuration's engine, stepping it on this thread."""
         from specwise.engine import SamplingParams
         from specwise.errors import SpecwiseError
 
         engine = self.engines[config]
-        pending = list(requests)
-        # The same arrival schedule for every configuration (a paired comparison), and for every run of the plan.
-        arrivals = load.arrivals(len(pending), seed=zlib.crc32(load.name.encode())) if load.kind == "poisson" else None
         live: dict[str, tuple[Request, float, list[float]]] = {}  # request id → (request, submitted, chunk times)
-        start = time.perf_counter()
-        submitted = 0
+        refused: list[Record] = []
 
         def submit(req: Request) -> None:
             params = SamplingParams(max_new_tokens=req.max_tokens, temperature=self.temperature, seed=req.seed)
             now = time.perf_counter()
             try:
-                rid = engine.submit(req.prompt, params)
+                live[engine.submit(req.prompt, params)] = (req, now, [])
             except SpecwiseError as exc:
-                on_record(Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now,
-                                 error=str(exc)))
-                if progress:
-                    progress()
-                return
-            live[rid] = (req, now, [])
+                refused.append(Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now,
+                                      error=str(exc)))
 
-        while pending or live:
-            now = time.perf_counter()
-            if load.kind == "concurrent":
-                while pending and len(live) < load.value:
-                    submit(pending.pop(0))
-                    submitted += 1
-            else:
-                while pending and now - start >= arrivals[submitted]:
-                    submit(pending.pop(0))
-                    submitted += 1
-                if not live and not engine.has_work and pending:
-                    time.sleep(max(0.0, arrivals[submitted] - (time.perf_counter() - start)))
-                    continue
-            if not engine.has_work:
-                continue
+        def poll(timeout: float | None) -> list[Record]:
+            done = refused[:]
+            refused.clear()
+            if done:
+                return done
+            if not engine.has_work:  # open loop, nothing in flight: wait for the next arrival
+                time.sleep(timeout or 0.0)
+                return []
             for event in engine.step():
                 req, t_submit, chunks = live[event.request_id]
                 t = time.perf_counter()
@@ -150,10 +204,13 @@ class EngineBackend:
                     chunks.append(t)
                 if event.result is not None:
                     del live[event.request_id]
-                    on_record(_record(config, load, req, t_submit, t, chunks, event.result))
-                    if progress:
-                        progress()
-        return time.perf_counter() - start
+                    done.append(_record(config, load, req, t_submit, t, chunks, event.result))
+            return done
+
+        return Phase(dispatch(load, requests, submit, poll, on_record, progress))
+
+    def close(self) -> None:
+        """Nothing to release: the engines go with the backend."""
 
 
 def _record(config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list[float],

@@ -163,8 +163,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         return 130
     finally:
         store.close()
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()
     result = load_run(out / "run.db")
     store_verdicts(out / "run.db", result.analysed)
     print(console_summary(result))

@@ -22,14 +22,13 @@ import signal
 import subprocess
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Request, hardware
+from specwise.harness.backends import Config, Phase, Request, dispatch, hardware
 from specwise.harness.load import Load
 from specwise.harness.store import Record
 from specwise.speccounts import SpecCounts
@@ -81,7 +80,6 @@ def counter_delta(before: dict | None, after: dict | None) -> dict | None:
 class HTTPBackend:
     """Runs configurations against an OpenAI-compatible endpoint, launching a server per configuration if asked."""
 
-    prefers_whole_phases = False  # True when configurations are separate server launches (switching costs a start)
 
     def __init__(self, endpoint: str, model: str | None, configs: list[Config], api_key: str | None = None,
                  temperature: float = 0.0, timeout: float = 600.0, launch_timeout: float = 600.0,
@@ -95,14 +93,13 @@ class HTTPBackend:
         if any(launches) and not all(launches):
             raise SpecwiseError("--launch: give a command for every configuration (the baseline too), or for none")
         self.launching = all(launches)
-        self.prefers_whole_phases = self.launching
+        self.whole_phases = self.launching  # each configuration switch restarts a server
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
                                    limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.proc: subprocess.Popen | None = None
         self.current: str | None = None
         self.targets: dict[str, dict] = {}
-        self.last_phase_counters: dict | None = None
         if not self.launching:
             self.model = self._discover_model()
 
@@ -213,45 +210,31 @@ class HTTPBackend:
         self._one(name, req, time.perf_counter())
 
     def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
-            progress: Callable[[], None] | None = None) -> float:
-        """Run one phase; returns its wall time. Records are handed to `on_record` on this thread."""
+            progress: Callable[[], None] | None = None) -> Phase:
+        """Run one phase, each request streamed on a thread of its own; records reach `on_record` on this thread."""
         self._ensure(config)
         before = self._counters()
-        done: queue.Queue = queue.Queue()
-        todo = list(requests)
-        lock = threading.Lock()
-        start = time.perf_counter()
+        done: queue.Queue[Record] = queue.Queue()
+        threads: list[threading.Thread] = []
 
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    req = todo.pop(0)
-                done.put(self._record(config, load, req))
-
-        if load.kind == "concurrent":
-            threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(int(load.value), len(todo)))]
-        else:
-            arrivals = load.arrivals(len(todo), seed=zlib.crc32(load.name.encode()))
-
-            def timed(req: Request, at: float) -> None:
-                time.sleep(max(0.0, at - (time.perf_counter() - start)))
-                done.put(self._record(config, load, req))
-
-            threads = [threading.Thread(target=timed, args=(r, a), daemon=True)
-                       for r, a in zip(todo, arrivals, strict=False)]
-        for t in threads:
+        def submit(req: Request) -> None:
+            t = threading.Thread(target=lambda: done.put(self._record(config, load, req)), daemon=True)
             t.start()
-        for _ in range(len(requests)):
-            on_record(done.get())
-            if progress:
-                progress()
-        seconds = time.perf_counter() - start
+            threads.append(t)
+
+        def poll(timeout: float | None) -> list[Record]:
+            try:
+                out = [done.get(timeout=timeout)]
+            except queue.Empty:
+                return []
+            while not done.empty():
+                out.append(done.get_nowait())
+            return out
+
+        seconds = dispatch(load, requests, submit, poll, on_record, progress)
         for t in threads:
             t.join()
-        self.last_phase_counters = counter_delta(before, self._counters())
-        return seconds
+        return Phase(seconds, counter_delta(before, self._counters()))
 
     def _counters(self) -> dict | None:
         try:

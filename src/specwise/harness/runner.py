@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from specwise import __version__
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Request
+from specwise.harness.backends import Backend, Config, Request
 from specwise.harness.load import Load
 from specwise.harness.store import Record, Store
 from specwise.harness.validate import run_validators
@@ -88,7 +88,7 @@ def check_store(plan: Plan, store: Store, resume: bool) -> None:
                             "it, or choose another output file")
 
 
-def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: bool = True,
+def run(plan: Plan, store: Store, backend: Backend, resume: bool = False, show_progress: bool = True,
         chunk: int | None = None) -> None:
     """Measure every (configuration, load, task, repeat) not yet in the store."""
     check_store(plan, store, resume)
@@ -126,7 +126,7 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
     flip = False
     for load in plan.loads:
         size = chunk or max(4, 2 * int(load.value) if load.kind == "concurrent" else 8)
-        if getattr(backend, "prefers_whole_phases", False):
+        if backend.whole_phases:
             size = len(plan.workload.tasks)  # each configuration switch restarts a server: switch per phase only
         for rep in range(plan.repeats):
             ordered = plan.workload.tasks
@@ -142,13 +142,12 @@ def run(plan: Plan, store: Store, backend, resume: bool = False, show_progress: 
                         continue
                     if bar is not None:
                         bar.set_description(f"{c.name} {load.name}")
-                    seconds = backend.run(c.name, load, reqs, on_record, bar.update if bar is not None else None)
+                    phase = backend.run(c.name, load, reqs, on_record, bar.update if bar is not None else None)
                     key = f"{c.name}|{load.name}"
-                    phases[key] = phases.get(key, 0.0) + seconds
+                    phases[key] = phases.get(key, 0.0) + phase.seconds
                     store.set_meta("phase_seconds", phases)
-                    delta = getattr(backend, "last_phase_counters", None)
-                    if delta:  # the server's own spec-decode counters over this phase (vLLM's /metrics names)
-                        counters.setdefault(key, []).append(delta)
+                    if phase.counters:  # the server's own spec-decode counters over this phase (vLLM's names)
+                        counters.setdefault(key, []).append(phase.counters)
                         store.set_meta("server_counters", counters)
     if bar is not None:
         bar.close()
