@@ -100,6 +100,25 @@ def test_ks_tells_same_from_shifted_distributions():
     assert same["p"] > 0.01 and doubled["p"] < 1e-6 and doubled["d"] > 0.8
 
 
+def test_ks_p_value_is_exact_for_small_groups():
+    """Six against six, fully separated: of the C(12, 6) = 924 equally likely splits under the null, exactly two
+    (all of one sample below all of the other, either way) reach D = 1, so p = 2/924 = 0.0022. The asymptotic formula
+    used before gave 0.0013 here: 40% too small, so tests on small groups rejected more often than their level."""
+    from specwise.harness.stats import ks_two_sample
+
+    r = ks_two_sample([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+    assert r["d"] == 1.0 and r["p"] == pytest.approx(2 / 924, rel=1e-9)
+    # one overlap: D = 5/6; splits at least as extreme, counted by brute force over all 924
+    from itertools import combinations
+
+    pool = [1, 2, 3, 4, 5, 6, 6.5, 8, 9, 10, 11, 12]
+    a, b = [1, 2, 3, 4, 5, 6.5], [6, 8, 9, 10, 11, 12]
+    d_obs = ks_two_sample(a, b)["d"]
+    extreme = sum(ks_two_sample([pool[i] for i in c], [pool[i] for i in range(12) if i not in c])["d"] >= d_obs - 1e-12
+                  for c in combinations(range(12), 6))
+    assert ks_two_sample(a, b)["p"] == pytest.approx(extreme / 924, rel=1e-6)
+
+
 def test_verdict_reject_when_sampled_output_lengths_shift():
     v = decide([cell("copy", 1, 1.5, 2.0, length_p=1e-5)])
     assert v.decision == REJECT and any("output lengths differ" in c.text for c in v.clauses)

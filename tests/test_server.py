@@ -390,8 +390,15 @@ def test_metrics_use_vllm_names(live):
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] >= c["num_accepted_tokens"]
     assert sum(c["accepted_per_pos"].values()) == c["num_accepted_tokens"]
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_requests_waiting", "vllm:num_requests_running"):
+                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "process_resident_memory_bytes", "python_info"):  # the last two: the library's standard metrics
         assert name in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # the exposition parses as Prometheus's
+    assert families["vllm:spec_decode_num_drafts"].type == "counter"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert "_created" not in text
 
 
 # --- the harness's HTTP backend ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from specwise.engine.engine import GenerationResult, Sequence, StreamEvent
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, Scheduler
 from specwise.errors import SpecwiseError
-from specwise.server.metrics import Metrics
+from specwise.server.metrics import CONTENT_TYPE, Metrics
 from specwise.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -157,7 +157,7 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         """Prometheus text format, vLLM's metric names."""
         state.metrics.on_queue(state.scheduler.running, state.scheduler.waiting)
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
