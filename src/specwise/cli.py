@@ -6,9 +6,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from specwise import __version__
 from specwise.errors import SpecwiseError
+
+if TYPE_CHECKING:
+    from specwise.engine import GenerationResult
 from specwise.specs import DTYPES, K_MAX, QUANTIZE, parse_k
 
 DTYPE_HELP = ("weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
@@ -153,10 +157,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     use_chat = not args.raw and target.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
     if args.json:
-        result = engine.generate([prompt], params)[0]
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(engine.generate([prompt], params)[0].to_dict(), indent=2))
         return 0
-    result = None
+    result: GenerationResult | None = None
     for event in engine.stream(prompt, params):
         sys.stdout.write(event.text)
         sys.stdout.flush()

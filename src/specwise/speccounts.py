@@ -94,9 +94,10 @@ class SpecCounts:
         """Tokens per verification step × (1 − drafting share): what speculation yields per unit of step time,
         relative to one token per plain step (verification of k+1 tokens taken to cost a plain step). None when
         nothing was drafted."""
-        if not self.drafted or not self.steps:
+        mal = self.mean_acceptance_length
+        if not self.drafted or mal is None:
             return None
-        return self.mean_acceptance_length * (1 - (self.drafting_share or 0.0))
+        return mal * (1 - (self.drafting_share or 0.0))
 
     # --- serialisations ---------------------------------------------------------------------------------------
 

@@ -47,4 +47,4 @@ def check_drafter_spec(spec: object) -> str:
                 "int8": "int8 takes no argument", "layerskip": "layerskip:SPEC needs a layer spec"}.get(kind)
         what = f"drafter {spec!r} is not allowed: {hint}" if hint else f"unknown drafter {spec!r}"
         raise SpecwiseError(f"{what} (allowed: {DRAFTER_HELP})", param="drafter")
-    return spec
+    return str(spec)

@@ -7,6 +7,8 @@ rollback: the next pass writes over them. Attention only ever reads positions at
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 
@@ -64,3 +66,36 @@ def rows_index(slots: list[int], device: torch.device | str) -> slice | torch.Te
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[0] + len(slots))
     return torch.tensor(slots, device=device)
+
+
+class CausalLM(Protocol):
+    """What the engine and drafters ask of a model: the native decoder, the torch reference decoder and the
+    transformers adapter all provide it."""
+
+    batch_invariant: bool  # a row's logits do not depend on the pass around it (speculation is offered only then)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights and cache live."""
+        ...
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision as run (e.g. "float32", "native (q4, q8)")."""
+        ...
+
+    def num_parameters(self) -> int:
+        ...
+
+    def new_cache(self, num_slots: int, max_len: int) -> Any:
+        """A cache of `num_slots` sequences of up to `max_len` positions."""
+        ...
+
+    def forward_tokens(self, cache: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (M,) at positions (M,) in cache slots (M,) → logits of the rows `out_rows` (all when None)."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds."""
+        ...

@@ -144,12 +144,12 @@ def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: Cos
     by one step when that row's draft becomes its longest. None when no pass cost is measured yet.
     """
     tokens = plain + len(rows)  # every row emits at least one token
-    if costs.pass_cost(tokens) is None:
+    seconds = costs.pass_cost(tokens)
+    if seconds is None:
         return None
     ks = [0] * len(rows)
     longest: dict[str | None, int] = {}
     expected = float(tokens)
-    seconds = costs.pass_cost(tokens)
     while True:
         best = max((i for i in range(len(rows)) if ks[i] < rows[i][1]), key=lambda i: rows[i][0] ** (ks[i] + 1),
                    default=None)
@@ -157,7 +157,7 @@ def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: Cos
             return ks
         alpha, _, drafter = rows[best]
         gain = min(alpha, 1.0) ** (ks[best] + 1)
-        extra = costs.pass_cost(tokens + 1) - costs.pass_cost(tokens)
+        extra = (costs.pass_cost(tokens + 1) or 0.0) - (costs.pass_cost(tokens) or 0.0)  # never None once measured
         if ks[best] + 1 > longest.get(drafter, 0):
             extra += costs.draft_cost(1, drafter) or 0.0
         if (expected + gain) / (seconds + extra) <= expected / seconds * (1 + 1e-9):

@@ -13,6 +13,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Sequence as Sequence_  # `Sequence` here is the engine's request state
 from dataclasses import dataclass, field
 
 import torch
@@ -184,10 +185,10 @@ class Engine:
         generator, seed = make_generator(params, self.device)
         name = drafter or (self.drafter.name if self.drafter is not None else None)
         use_spec = speculative and name is not None
-        controller = None
-        if use_spec:
+        controller: AdaptiveK | FixedK | None = None
+        if name is not None and use_spec:
             controller = AdaptiveK(self.costs, self.k_max, drafter=name, prior_alpha=self.acceptance.get(name, 0.5)) \
-                if k_spec == "auto" else FixedK(k_spec)
+                if k_spec == "auto" else FixedK(int(k_spec))
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, len(ids), params, generator, seed, use_spec,
                        controller, self._now(), drafter=name if use_spec else None)
         seq.stats.prompt_tokens = len(ids)
@@ -208,17 +209,17 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: list[Prompt] | Prompt, params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[GenerationResult]:
+    def generate(self, prompts: Sequence_[Prompt] | Prompt,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
         """Run prompts (or chat message lists) to completion as one batch; results in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]
-        if not prompts:
+        one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
+        batch: list[Prompt] = [prompts] if one else list(prompts)  # type: ignore[list-item, arg-type]
+        if not batch:
             raise SpecwiseError("no prompts given: pass at least one prompt")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise SpecwiseError(f"{len(plist)} sampling settings for {len(prompts)} prompts: give one per prompt")
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist, strict=False)]
+        plist = params if isinstance(params, list) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise SpecwiseError(f"{len(plist)} sampling settings for {len(batch)} prompts: give one per prompt")
+        ids = [self.submit(p, sp) for p, sp in zip(batch, plist, strict=False)]
         results: dict[str, GenerationResult] = {}
         while self.has_work:
             for event in self.step():
@@ -253,7 +254,7 @@ class Engine:
     def step(self) -> list[StreamEvent]:
         """Admit what fits, then one pass: a draft → verify → commit round for every decoding sequence, plus the next
         chunk of every admitted prompt (a sequence whose prompt completes gets its first token)."""
-        self.last_step_rows: list[tuple[int, int]] = []  # (drafted, accepted) per decoded row, for metrics
+        self.last_step_rows = []  # (drafted, accepted) per decoded row, for metrics
         while self.waiting and self.free_slots:
             self._admit(self.waiting.popleft())
         decoding = [s for s in self.running if s.finish_reason is None and s.prefilled == s.prompt_len]
@@ -276,7 +277,7 @@ class Engine:
         after another, so the earliest gets its first token soonest). A row's results do not depend on the pass it
         is in, so chunking changes no output."""
         budget = self.prefill_chunk if busy else max(self.prefill_chunk, PREFILL_IDLE)
-        chunks = []
+        chunks: list[tuple[Sequence, int, int]] = []
         for seq in self.running:
             if budget <= 0 or (chunks and not busy):
                 break
@@ -300,8 +301,9 @@ class Engine:
         draft_time = [0.0] * len(seqs)
         by_drafter: dict[str, list[int]] = {}
         for i, k in enumerate(ks):
-            if k > 0:
-                by_drafter.setdefault(seqs[i].drafter, []).append(i)
+            name = seqs[i].drafter
+            if k > 0 and name is not None:
+                by_drafter.setdefault(name, []).append(i)
         for name, idx in by_drafter.items():
             td = self._now()
             proposed = self.drafters[name].propose([seqs[i] for i in idx], [ks[i] for i in idx])
@@ -314,7 +316,11 @@ class Engine:
         t1 = self._now()
         # One pass, unpadded: each decoding row's pending token and draft at its next positions, then the prompt
         # chunks; logits for every decoding token and for the last token of each prompt that completes.
-        tokens, positions, slots, out_rows, starts = [], [], [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        out_rows: list[int] = []
+        starts: list[int] = []
         for seq, draft in zip(seqs, drafts, strict=True):
             starts.append(len(tokens))
             row = [seq.token_ids[-1], *draft.tokens]
@@ -352,8 +358,8 @@ class Engine:
             seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
             self.last_step_rows.append((len(draft.tokens), verdict.accepted))
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
-        for seq, row in firsts:
-            last = logits[row : row + 1]  # (1, V)
+        for seq, at in firsts:
+            last = logits[at : at + 1]  # (1, V)
             token = greedy(last)[0] if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
                                                                              seq.generator))
             seq.stats.prefill_time = t2 - seq.prefill_started
@@ -368,9 +374,10 @@ class Engine:
         8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
         ks = [self._draft_len(s) for s in seqs]
         drafting = [i for i, k in enumerate(ks) if k > 0]
-        if len(seqs) < 2 or not drafting or not all(isinstance(seqs[i].controller, AdaptiveK) for i in drafting):
+        adaptive = [c for i in drafting if isinstance(c := seqs[i].controller, AdaptiveK)]
+        if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
             return ks
-        planned = plan_batch([(seqs[i].controller.alpha, ks[i], seqs[i].drafter) for i in drafting],
+        planned = plan_batch([(c.alpha, ks[i], seqs[i].drafter) for c, i in zip(adaptive, drafting, strict=True)],
                              len(seqs) - len(drafting), self.costs)
         if planned is None:
             return ks
@@ -378,7 +385,7 @@ class Engine:
         for i, k in zip(drafting, planned, strict=True):
             out[i] = k
         if not any(planned):
-            probes = [i for i in drafting if seqs[i].controller.probing]
+            probes = [i for c, i in zip(adaptive, drafting, strict=True) if c.probing]
             self._probe_wait += 1
             if probes and self._probe_wait >= 8 * len(seqs):
                 self._probe_wait = 0
@@ -471,7 +478,7 @@ class Engine:
                 t0 = self._now()
                 self._forward([0] * T, list(range(8, 8 + T)), [scratch] * T)
                 self.costs.observe_pass(T, self._now() - t0)
-        return {T: self.costs.pass_cost(T) for T in sizes}
+        return {T: self.costs.pass_cost(T) or 0.0 for T in sizes}  # every size was just measured
 
     def _now(self) -> float:
         if self.device.type == "cuda":

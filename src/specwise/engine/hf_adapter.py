@@ -52,7 +52,11 @@ class HFAdapter(nn.Module):
             model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
         except (OSError, ValueError, KeyError) as exc:
             raise SpecwiseError(f"{directory}: transformers could not load this model ({exc})") from exc
-        return cls(model.to(device).eval())
+        return cls(model.to(device).eval())  # type: ignore[arg-type]  # transformers' stubs type .to() oddly
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
 
     @property
     def precision(self) -> str:

@@ -197,8 +197,10 @@ class PackedLinear:
         if self.fmt in (F32, BF16):
             full = self.w.float()
         elif self.fmt == Q8:
+            assert self.d is not None  # Q8 carries scales
             full = self.w.float() * self.d.float().repeat_interleave(32, dim=1)
         else:
+            assert self.d is not None and self.m is not None  # Q4 carries scales and minimums
             lo, hi = (self.w & 15).float(), (self.w >> 4).float()
             q = torch.cat([lo, hi], dim=2)  # (nb, K, 32)
             full = q * self.d.float().repeat_interleave(32, dim=1) + self.m.float().repeat_interleave(32, dim=1)

@@ -216,6 +216,8 @@ class Decoder(nn.Module):
     a single row: it is not batch-invariant, and the engine refuses speculation on it."""
 
     batch_invariant = False
+    rope_cos: torch.Tensor  # buffers (register_buffer in _init_rope)
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
@@ -228,6 +230,10 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_len = max_len or cfg.max_position_embeddings
         self._init_rope()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
 
     def _init_rope(self) -> None:
         """cos/sin tables (S, D) for every position; rebuilt after weights are loaded off the meta device."""
@@ -277,7 +283,7 @@ class Decoder(nn.Module):
             key_pos = torch.arange(length, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
         # Every row at the same consecutive positions (a single sequence, always): cache writes can be slices.
-        first = positions[0, 0]
+        first = int(positions[0, 0])
         same = bool((positions == torch.arange(first, first + T, device=positions.device)).all())
         start = int(first) if same else None
         x = self.embed_tokens(tokens)  # (B, T, C)

@@ -316,9 +316,11 @@ class NativeDecoder:
     def requantized(self, precision: str, kv_dtype: torch.dtype | None = None) -> NativeDecoder:
         """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
         dequantised reference of a quantised model); embeddings and norms are shared."""
-        layers = [NativeLayer(L.attn_norm, *(pack(getattr(L, n).dequantize(), precision, getattr(L, n).bias)
-                                             for n in ("qkv", "o")),
-                              L.ffn_norm, *(pack(getattr(L, n).dequantize(), precision) for n in ("gate_up", "down")))
+        def again(p: K.PackedLinear) -> K.PackedLinear:
+            return pack(p.dequantize(), precision, p.bias)
+
+        layers = [NativeLayer(L.attn_norm, again(L.qkv), again(L.o), L.ffn_norm,
+                              pack(L.gate_up.dequantize(), precision), pack(L.down.dequantize(), precision))
                   for L in self.weights.layers]
         head = pack(self.weights.head.dequantize(), precision, head=True)
         return NativeDecoder(replace(self.weights, precision=precision, layers=layers, head=head), self.max_len,

@@ -61,7 +61,7 @@ class Policy:
         if self.mode == "auto":
             if self.on and load > self.high:
                 self.on, self.switches = False, self.switches + 1
-            elif not self.on and load <= self.low:
+            elif not self.on and load <= (self.low or 0):  # low is set in __post_init__
                 self.on, self.switches = True, self.switches + 1
         return self.on
 

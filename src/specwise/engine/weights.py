@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specwise.engine.cache import CausalLM
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
@@ -55,7 +56,7 @@ class ModelIdentity:
 class LoadedModel:
     """A runnable model (native, reference decoder or transformers adapter), its tokenizer and identity."""
 
-    model: object
+    model: CausalLM
     tokenizer: Tokenizer
     identity: ModelIdentity
     device: torch.device
@@ -163,6 +164,7 @@ def load_target(path: str | Path | None = None, device: str | None = "cpu", dtyp
     config = _read_config(directory)
     tokenizer = Tokenizer(directory)
     arch = (config.get("architectures") or ["?"])[0]
+    model: CausalLM
     if arch not in SUPPORTED_ARCHITECTURES:
         if quantize:
             raise SpecwiseError(f"--quantize needs a Llama-family model on the CPU kernels ({arch} is not one)")
@@ -180,8 +182,7 @@ def load_target(path: str | Path | None = None, device: str | None = "cpu", dtyp
             raise SpecwiseError("dtype float16 runs on CUDA only; on the CPU use auto, bfloat16 or float32")
         model = _load_native(source, directory, config, dtype, quantize, max_len)
         precision = model.precision
-    n_params = model.num_parameters() if hasattr(model, "num_parameters") else \
-        sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    n_params = model.num_parameters()
     own = precision.startswith("native") or (source.is_dir() and _stored_as(config, precision))
     run_digest = digest if own else hashlib.sha256(f"{digest}:{precision}".encode()).hexdigest()
     identity = ModelIdentity(source.name, str(source.resolve()), run_digest, arch, n_params, precision, digest)
@@ -205,7 +206,7 @@ def _native_precision(is_gguf: bool, dtype: str, quantize: str | None, gguf_type
 
 
 def _load_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None,
-                 max_len: int | None):
+                 max_len: int | None) -> CausalLM:
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
     from specwise.engine import kernels
 

@@ -95,7 +95,7 @@ def _compare(config: str, load: str, group: str, base_recs: list[Record], spec_r
              if base[k].error is None and spec[k].error is None]
     if not pairs:
         return None
-    e2e = speedup_ci([b.e2e for b, _ in pairs], [x.e2e for _, x in pairs])
+    e2e = speedup_ci([b.e2e or math.nan for b, _ in pairs], [x.e2e or math.nan for _, x in pairs])
     if e2e is None:
         return None
     dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])

@@ -35,7 +35,7 @@ class Config:
     launch: str | None = None
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "drafter": self.drafter, "k": self.k}
+        d: dict = {"name": self.name, "drafter": self.drafter, "k": self.k}
         if self.options is not None or self.launch is not None:
             d.update(options=self.options, launch=self.launch)
         return d

@@ -14,11 +14,11 @@ from pathlib import Path
 import yaml
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config
+from specwise.harness.backends import Backend, Config
 from specwise.harness.load import loads_from_flags
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
-from specwise.harness.workload import Workload, builtin_workload, load_workload
+from specwise.harness.workload import Task, Workload, builtin_workload, load_workload
 from specwise.specs import check_drafter_spec, parse_k
 
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
@@ -29,7 +29,8 @@ def stratified(workload: Workload, n: int) -> Workload:
     one by one, have been picked least so far (ties in file order) — so tags stay balanced and do not go together."""
     if n <= 0 or n >= len(workload.tasks):
         return workload
-    left, picked = list(workload.tasks), []
+    left = list(workload.tasks)
+    picked: list[Task] = []
     counts: dict[str, int] = {}
     combos: dict[tuple[str, ...], int] = {}
     while len(picked) < n:
@@ -145,6 +146,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
     print(f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
           f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}", file=sys.stderr)
+    backend: Backend
     if args.endpoint:
         from specwise.harness.http_backend import HTTPBackend
 

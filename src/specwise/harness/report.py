@@ -58,11 +58,11 @@ def console_summary(run: Run) -> str:
         lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
         for key, deltas in run.server_counters.items():
             # vLLM's counters: a draft is one verification step that was given draft tokens
-            c = SpecCounts(steps=round(sum(d["num_drafts"] for d in deltas)),
-                           drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
-                           accepted=round(sum(d["num_accepted_tokens"] for d in deltas)))
-            lines.append(f"{key:>38} {c.steps:>8} {c.drafted:>9} {c.accepted:>9} "
-                         f"{_fmt(c.acceptance_rate, '.2f'):>6} {_fmt(c.mean_acceptance_length, '.2f'):>5}")
+            sc = SpecCounts(steps=round(sum(d["num_drafts"] for d in deltas)),
+                            drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
+                            accepted=round(sum(d["num_accepted_tokens"] for d in deltas)))
+            lines.append(f"{key:>38} {sc.steps:>8} {sc.drafted:>9} {sc.accepted:>9} "
+                         f"{_fmt(sc.acceptance_rate, '.2f'):>6} {_fmt(sc.mean_acceptance_length, '.2f'):>5}")
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
             lines.append("")

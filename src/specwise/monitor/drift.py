@@ -177,7 +177,7 @@ def _revision_rows(base: Baseline, entries: list[LogEntry]) -> list[Row]:
     rows = []
     sha_then = base.target.get("sha256")
     shas = {e.target.get("sha256") for e in entries}
-    changed = sorted(s for s in shas if s != sha_then)
+    changed = sorted((s for s in shas if s != sha_then), key=str)
     rows.append(Row("target revision", _short(sha_then), ", ".join(_short(s) for s in sorted(shas, key=str)),
                     "changed" if changed else "same", INVALID if changed else OK,
                     f"target {base.target.get('name')} changed: the evaluation no longer applies" if changed else ""))
@@ -208,6 +208,7 @@ def _distribution_row(metric: str, then: list[float], now: list[float], level: f
     if len(then) < MIN_N or len(now) < MIN_N:
         return Row(metric, _mean(then), _mean(now), "-", OK, f"n={len(then)}/{len(now)}: too few to test")
     ks = ks_two_sample(then, now)
+    assert ks is not None  # both samples have MIN_N values or more
     m0, m1 = float(np.mean(then)), float(np.mean(now))
     if metric == "acceptance rate":
         effect, change = abs(m1 - m0), f"{m1 - m0:+.2f}"

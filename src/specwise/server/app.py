@@ -234,19 +234,22 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
     load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
     seq = _submit(state, body, prompt, max_tokens, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    timing = {"started": started, "first": None, "last": None, "itl": []}
+    first: float | None = None
+    last = started
+    itl: list[float] = []
 
     def observe(at: float, event: StreamEvent) -> None:
+        nonlocal first, last
         if event.token_ids:
-            if timing["first"] is None:
-                timing["first"] = at
+            if first is None:
+                first = at
             else:
-                timing["itl"].append(at - timing["last"])
-            timing["last"] = at
+                itl.append(at - last)
+            last = at
 
     def finish(result: GenerationResult, at: float) -> None:
-        ttft = timing["first"] - started if timing["first"] is not None else None
-        state.metrics.on_request(ttft, timing["itl"], at - started, seq.prompt_len, len(result.token_ids),
+        ttft = first - started if first is not None else None
+        state.metrics.on_request(ttft, itl, at - started, seq.prompt_len, len(result.token_ids),
                                  result.finish_reason)
         record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompt}
         for hook in state.on_finish:

@@ -75,7 +75,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.log or baseline is not None:
         from specwise.monitor.live import DriftWatch
 
-        watch = DriftWatch(engine, args.log, args.log_text, baseline, window)
+        watch = DriftWatch(engine, args.log, args.log_text, baseline, window or float("inf"))
         state.on_finish.append(watch.on_finish)
         state.metrics.extra_gauges = watch.gauges
     app = create_app(state, max_body=args.max_body)

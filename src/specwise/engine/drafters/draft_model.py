@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specwise.engine.cache import CausalLM
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.sampling import greedy, probs_from_logits, sample
 
@@ -19,14 +20,14 @@ LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is 
 class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
-    def __init__(self, model: torch.nn.Module, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int,
+    def __init__(self, model: CausalLM, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int,
                  identity=None):
         self.model, self.name = model, name
         self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
         self.cache = model.new_cache(num_slots, cache_len)
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
         self._extra_weights = extra_weight_bytes
-        self.device = model.device if hasattr(model, "device") else next(model.parameters()).device
+        self.device = model.device
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
@@ -50,7 +51,10 @@ class ModelDrafter:
 
     def _forward(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """rows of (slot, tokens, start position) → each row's last-token logits (B, V), in one pass."""
-        tokens, positions, slots, last = [], [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
         for slot, toks, start in rows:
             tokens += toks
             positions += range(start, start + len(toks))
