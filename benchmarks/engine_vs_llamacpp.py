@@ -45,10 +45,22 @@ from specwise.speccounts import SpecCounts
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_NGRAM = {  # llama.cpp's n-gram speculation settings tried; the best one measured is the one compared against
     "ngram-simple": ["--spec-type", "ngram-simple"],
-    "ngram-simple n4 m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
-                           "--spec-ngram-simple-size-m", "8"],
-    "ngram-simple n3 m16": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                            "--spec-ngram-simple-size-m", "16"],
+    "ngram-simple n4 m8": [
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "4",
+        "--spec-ngram-simple-size-m",
+        "8",
+    ],
+    "ngram-simple n3 m16": [
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "3",
+        "--spec-ngram-simple-size-m",
+        "16",
+    ],
     "ngram-map-k n3": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3"],
     "ngram-mod": ["--spec-type", "ngram-mod"],
     "ngram-cache": ["--spec-type", "ngram-cache"],
@@ -91,21 +103,47 @@ class Llama:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the server
-        self.proc = subprocess.Popen([binary, "-m", str(gguf), "--port", str(self.port), "-t", str(threads), "-tb",
-                                      str(threads), "-c", str(4096 * parallel), "--parallel", str(parallel), *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "-m",
+                str(gguf),
+                "--port",
+                str(self.port),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "-c",
+                str(4096 * parallel),
+                "--parallel",
+                str(parallel),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         wait_healthy(self.url, self.proc)
 
     def run(self, ids: list[int], n: int) -> dict:
-        r = httpx.post(self.url + "/completion", timeout=600, json={
-            "prompt": ids, "n_predict": n, "temperature": 0, "cache_prompt": False})
+        r = httpx.post(
+            self.url + "/completion",
+            timeout=600,
+            json={"prompt": ids, "n_predict": n, "temperature": 0, "cache_prompt": False},
+        )
         r.raise_for_status()
         body = r.json()
         t = body["timings"]
-        return {"prompt": t["prompt_n"], "prefill": t["prompt_ms"] / 1e3, "decoded": t["predicted_n"],
-                "decode": t["predicted_ms"] / 1e3, "ttft": t["prompt_ms"] / 1e3, "tokens": body.get("tokens"),
-                "spec": SpecCounts(drafted=t.get("draft_n", 0), accepted=t.get("draft_n_accepted", 0)),
-                "text": body.get("content", "")}
+        return {
+            "prompt": t["prompt_n"],
+            "prefill": t["prompt_ms"] / 1e3,
+            "decoded": t["predicted_n"],
+            "decode": t["predicted_ms"] / 1e3,
+            "ttft": t["prompt_ms"] / 1e3,
+            "tokens": body.get("tokens"),
+            "spec": SpecCounts(drafted=t.get("draft_n", 0), accepted=t.get("draft_n_accepted", 0)),
+            "text": body.get("content", ""),
+        }
 
     def close(self) -> None:
         self.proc.terminate()
@@ -118,8 +156,16 @@ def run_specwise(engine, ids_prompt: list[dict], n: int) -> dict:
 
     r = engine.generate([ids_prompt], SamplingParams(max_new_tokens=n))[0]
     s = r.stats
-    return {"prompt": s.prompt_tokens, "prefill": s.prefill_time, "decoded": s.generated_tokens - 1,
-            "decode": s.decode_time, "ttft": s.ttft, "spec": s.counts(), "tokens": r.token_ids, "text": r.text}
+    return {
+        "prompt": s.prompt_tokens,
+        "prefill": s.prefill_time,
+        "decoded": s.generated_tokens - 1,
+        "decode": s.decode_time,
+        "ttft": s.ttft,
+        "spec": s.counts(),
+        "tokens": r.token_ids,
+        "text": r.text,
+    }
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -140,16 +186,21 @@ def part_one(args, binary: str, gguf: Path) -> None:
 
     torch.set_num_threads(args.threads)
     target = load_target(gguf)
-    engines = {"specwise plain": Engine(target, max_batch=1),
-               "specwise ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=1),
-               "specwise ngram k=4": Engine(target, drafter="ngram", k=4, max_batch=1)}
+    engines = {
+        "specwise plain": Engine(target, max_batch=1),
+        "specwise ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=1),
+        "specwise ngram k=4": Engine(target, drafter="ngram", k=4, max_batch=1),
+    }
     llamas = {"llama.cpp plain": Llama(binary, gguf, args.threads, [])}
     for name, extra in LLAMA_NGRAM.items():
         llamas[f"llama.cpp {name}"] = Llama(binary, gguf, args.threads, extra)
     systems = [*llamas, *engines]
     tok = target.tokenizer
-    print(f"target {target.identity.name} ({target.identity.precision}), {args.threads} threads, "
-          f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); llama-server: {binary}", flush=True)
+    print(
+        f"target {target.identity.name} ({target.identity.precision}), {args.threads} threads, "
+        f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); llama-server: {binary}",
+        flush=True,
+    )
     try:
         for e in engines.values():  # warm-up
             e.generate([chat("hi")], None)
@@ -161,9 +212,10 @@ def part_one(args, binary: str, gguf: Path) -> None:
             for _ in range(args.repeats):
                 for prompt in prompts:
                     messages = chat(prompt)
-                    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                                     add_special_tokens=False)
-                    order = systems[turn % len(systems):] + systems[: turn % len(systems)]
+                    ids = tok.encode(
+                        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+                    )
+                    order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
                     turn += 1
                     for name in order:
                         if name in engines:
@@ -181,19 +233,24 @@ def part_one(args, binary: str, gguf: Path) -> None:
 def report(set_name: str, systems: list[str], results: dict) -> None:
     n = len(results[(set_name, systems[0])])
     print(f"\n== {set_name}: {n} requests per system ==")
-    print(f"{'system':30} {'decode tok/s':>12} {'× llama plain':>13} {'prefill tok/s':>13} {'TTFT ms':>8} "
-          f"{'accept':>7} {'MAL':>5}")
+    print(
+        f"{'system':30} {'decode tok/s':>12} {'× llama plain':>13} {'prefill tok/s':>13} {'TTFT ms':>8} "
+        f"{'accept':>7} {'MAL':>5}"
+    )
     base = aggregate(results[(set_name, "llama.cpp plain")])["decode"]
     for name in systems:
         a = aggregate(results[(set_name, name)])
-        print(f"{name:30} {a['decode']:12.1f} {a['decode'] / base:12.2f}x {a['prefill']:13.0f} "
-              f"{a['ttft'] * 1e3:8.1f} {_fmt(a['accept']):>7} {_fmt(a['mal']):>5}")
+        print(
+            f"{name:30} {a['decode']:12.1f} {a['decode'] / base:12.2f}x {a['prefill']:13.0f} "
+            f"{a['ttft'] * 1e3:8.1f} {_fmt(a['accept']):>7} {_fmt(a['mal']):>5}"
+        )
     plain = [r["tokens"] for r in results[(set_name, "specwise plain")]]
     for name in ("specwise ngram k=auto", "specwise ngram k=4"):
         same = sum(a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, name)]], strict=True))
         print(f"{name}: {same}/{len(plain)} outputs equal to specwise plain (greedy)")
-    same = sum(a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, "llama.cpp plain")]],
-                                      strict=True))
+    same = sum(
+        a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, "llama.cpp plain")]], strict=True)
+    )
     print(f"llama.cpp plain: {same}/{len(plain)} outputs token for token equal to specwise plain")
 
 
@@ -202,19 +259,37 @@ def verdict(results: dict) -> None:
         return aggregate(results[(set_name, name)])["decode"]
 
     best = max(LLAMA_NGRAM, key=lambda k: dec("copy-heavy", f"llama.cpp {k}"))
-    prefill = [aggregate(results[(s, name)])["prefill"] for s in ("copy-heavy", "free-form")
-               for name in ("specwise plain", "llama.cpp plain")]
+    prefill = [
+        aggregate(results[(s, name)])["prefill"]
+        for s in ("copy-heavy", "free-form")
+        for name in ("specwise plain", "llama.cpp plain")
+    ]
     lines = [
-        ("specwise plain / llama.cpp plain, decode (copy-heavy)",
-         dec("copy-heavy", "specwise plain") / dec("copy-heavy", "llama.cpp plain"), 1.0),
-        ("specwise plain / llama.cpp plain, decode (free-form)",
-         dec("free-form", "specwise plain") / dec("free-form", "llama.cpp plain"), 1.0),
-        ("specwise ngram k=auto / llama.cpp plain (copy-heavy)",
-         dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", "llama.cpp plain"), 2.5),
-        (f"specwise ngram k=auto / llama.cpp best n-gram ({best}) (copy-heavy)",
-         dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", f"llama.cpp {best}"), 2.0),
-        ("specwise ngram k=auto / specwise plain (free-form)",
-         dec("free-form", "specwise ngram k=auto") / dec("free-form", "specwise plain"), 0.97),
+        (
+            "specwise plain / llama.cpp plain, decode (copy-heavy)",
+            dec("copy-heavy", "specwise plain") / dec("copy-heavy", "llama.cpp plain"),
+            1.0,
+        ),
+        (
+            "specwise plain / llama.cpp plain, decode (free-form)",
+            dec("free-form", "specwise plain") / dec("free-form", "llama.cpp plain"),
+            1.0,
+        ),
+        (
+            "specwise ngram k=auto / llama.cpp plain (copy-heavy)",
+            dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", "llama.cpp plain"),
+            2.5,
+        ),
+        (
+            f"specwise ngram k=auto / llama.cpp best n-gram ({best}) (copy-heavy)",
+            dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", f"llama.cpp {best}"),
+            2.0,
+        ),
+        (
+            "specwise ngram k=auto / specwise plain (free-form)",
+            dec("free-form", "specwise ngram k=auto") / dec("free-form", "specwise plain"),
+            0.97,
+        ),
         ("specwise / llama.cpp prefill tokens/s (copy-heavy)", prefill[0] / prefill[1], 0.8),
         ("specwise / llama.cpp prefill tokens/s (free-form)", prefill[2] / prefill[3], 0.8),
     ]
@@ -228,10 +303,25 @@ def part_two(args, binary: str, gguf: Path) -> None:
 
     tasks = builtin_workload().tasks[: args.load_tasks]
     port = free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "specwise.cli", "serve", "--model", str(gguf), "--port",
-                              str(port), "--served-model-name", "m", "--max-batch", "4"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "serve",
+            "--model",
+            str(gguf),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "m",
+            "--max-batch",
+            "4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+    )
     llama = Llama(binary, gguf, args.threads, [], parallel=4)
     specwise_url = f"http://127.0.0.1:{port}"
     try:
@@ -239,19 +329,23 @@ def part_two(args, binary: str, gguf: Path) -> None:
         print(f"\n== under load: {len(tasks)} built-in chat tasks, concurrency 4, closed loop, plain decoding ==")
         rows = {}
         for rnd in range(2):  # alternate which server goes first
-            for name, url in ((("specwise serve", specwise_url), ("llama-server", llama.url))[:: 1 if rnd == 0
-                                                                                              else -1]):
+            for name, url in (("specwise serve", specwise_url), ("llama-server", llama.url))[:: 1 if rnd == 0 else -1]:
                 rows.setdefault(name, []).extend(closed_loop(url, tasks, args.max_new_tokens))
         print(f"{'server':16} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'E2E p50 s':>10}")
         for name, runs in rows.items():
             ttft = sorted(r["ttft"] for r in runs)
             e2e = sorted(r["e2e"] for r in runs)
-            print(f"{name:16} {statistics.median(ttft) * 1e3:12.0f} {ttft[int(0.9 * (len(ttft) - 1))] * 1e3:12.0f} "
-                  f"{statistics.median(e2e):10.2f}")
+            print(
+                f"{name:16} {statistics.median(ttft) * 1e3:12.0f} {ttft[int(0.9 * (len(ttft) - 1))] * 1e3:12.0f} "
+                f"{statistics.median(e2e):10.2f}"
+            )
         ratio = statistics.median(r["ttft"] for r in rows["specwise serve"]) / statistics.median(
-            r["ttft"] for r in rows["llama-server"])
-        print(f"TTFT p50 specwise / llama.cpp at concurrency 4: {ratio:.2f}x (target ≤ 1.5: "
-              f"{'met' if ratio <= 1.5 else 'MISSED'})")
+            r["ttft"] for r in rows["llama-server"]
+        )
+        print(
+            f"TTFT p50 specwise / llama.cpp at concurrency 4: {ratio:.2f}x (target ≤ 1.5: "
+            f"{'met' if ratio <= 1.5 else 'MISSED'})"
+        )
     finally:
         serve.terminate()
         serve.wait(timeout=30)
@@ -268,17 +362,21 @@ def part_three(args, gguf: Path) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     print(f"\n== general chat, in-process, closed loop: plain against n-gram k=auto, {args.chat_rounds} rounds ==")
     for conc in (1, 4):
-        engines = {"plain": Engine(target, max_batch=conc),
-                   "ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=conc)}
+        engines = {
+            "plain": Engine(target, max_batch=conc),
+            "ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=conc),
+        }
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for rnd in range(args.chat_rounds + 1):  # round 0 warms both up (and adaptive k's acceptance history)
-            for name in (list(engines) if rnd % 2 else list(engines)[::-1]):
+            for name in list(engines) if rnd % 2 else list(engines)[::-1]:
                 tokens, seconds = closed_loop_engine(engines[name], [chat(p) for p in CHAT], conc, params)
                 if rnd:
                     rates[name].append(tokens / seconds)
         plain, spec = (statistics.median(rates[n]) for n in engines)
-        print(f"concurrency {conc}: plain {plain:.1f} tok/s, ngram k=auto {spec:.1f} tok/s, ratio {spec / plain:.3f} "
-              f"(target ≥ 0.97: {'met' if spec / plain >= 0.97 else 'MISSED'})")
+        print(
+            f"concurrency {conc}: plain {plain:.1f} tok/s, ngram k=auto {spec:.1f} tok/s, ratio {spec / plain:.3f} "
+            f"(target ≥ 0.97: {'met' if spec / plain >= 0.97 else 'MISSED'})"
+        )
 
 
 def closed_loop_engine(engine, prompts: list, conc: int, params) -> tuple[int, float]:
@@ -301,9 +399,13 @@ def closed_loop(url: str, tasks, max_tokens: int) -> list[dict]:
     def one(task) -> dict:
         t0 = time.perf_counter()
         first = None
-        body = {"model": "m", "messages": [dict(m) for m in task.messages or ()] or
-                [{"role": "user", "content": task.prompt}],
-                "max_tokens": min(task.max_tokens, max_tokens), "temperature": 0, "stream": True}
+        body = {
+            "model": "m",
+            "messages": [dict(m) for m in task.messages or ()] or [{"role": "user", "content": task.prompt}],
+            "max_tokens": min(task.max_tokens, max_tokens),
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
             r.raise_for_status()
             for line in r.iter_lines():

@@ -41,10 +41,11 @@ def run_hf(hf, ids: torch.Tensor, max_new: int, lookup: int | None) -> dict:
     kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                          pad_token_id=0, **kwargs)
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kwargs
+        )
     wall = time.perf_counter() - t0
-    return {"tokens": out.shape[1] - ids.shape[1], "wall": wall, "tokens_out": out[0, ids.shape[1]:].tolist()}
+    return {"tokens": out.shape[1] - ids.shape[1], "wall": wall, "tokens_out": out[0, ids.shape[1] :].tolist()}
 
 
 def main() -> None:
@@ -98,10 +99,14 @@ def report(set_name: str, systems: list[str], results: dict, verify_costs: dict,
         runs = results[(set_name, name)]
         pooled = SpecCounts.pooled(r["stats"] for r in runs if "stats" in r)
         acc, mal = pooled.acceptance_rate, pooled.mean_acceptance_length
-        print(f"{name:34} {tps(name):7.2f} {tps(name) / base:16.2f}x {tps(name) / tps('transformers greedy'):12.2f}x "
-              f"{_fmt(acc):>7} {_fmt(mal):>5}")
-    print(f"specwise ngram k={k} vs transformers prompt lookup: "
-          f"{tps(f'specwise ngram k={k}') / tps(f'transformers prompt lookup ({k})'):.2f}x")
+        print(
+            f"{name:34} {tps(name):7.2f} {tps(name) / base:16.2f}x {tps(name) / tps('transformers greedy'):12.2f}x "
+            f"{_fmt(acc):>7} {_fmt(mal):>5}"
+        )
+    print(
+        f"specwise ngram k={k} vs transformers prompt lookup: "
+        f"{tps(f'specwise ngram k={k}') / tps(f'transformers prompt lookup ({k})'):.2f}x"
+    )
     # Theory (Leviathan et al.): speedup = E(α, γ) / (verify(γ+1)/verify(1) + draft time per step / base step)
     base_runs = results[(set_name, "specwise baseline")]
     base_step = sum(r["decode"] for r in base_runs) / sum(r["tokens"] - 1 for r in base_runs)
@@ -111,19 +116,24 @@ def report(set_name: str, systems: list[str], results: dict, verify_costs: dict,
         # Steps by draft length γ (n-gram drafts are often shorter than k, or empty): average E and cost over them.
         at_least = pooled.drafted_per_position
         counts = [steps - (at_least[0] if at_least else 0)] + [
-            at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j in range(len(at_least))]
+            at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j in range(len(at_least))
+        ]
         tokens = sum(n * expected_tokens(min(alpha, 0.999), g) for g, n in enumerate(counts)) / steps
-        c_verify = sum(n * _interp(verify_costs, g + 1) for g, n in enumerate(counts)) / steps / _interp(
-            verify_costs, 1)
+        c_verify = (
+            sum(n * _interp(verify_costs, g + 1) for g, n in enumerate(counts)) / steps / _interp(verify_costs, 1)
+        )
         c_draft = pooled.drafting_time / steps / base_step
         predicted = tokens / (c_verify + c_draft)
         decode_tps = sum(r["tokens"] - 1 for r in results[(set_name, name)]) / sum(
-            r["decode"] for r in results[(set_name, name)])
+            r["decode"] for r in results[(set_name, name)]
+        )
         measured = decode_tps * base_step
         mean_gamma = sum(g * n for g, n in enumerate(counts)) / steps
-        print(f"{name}: α={alpha:.2f} mean γ={mean_gamma:.2f} verify cost ratio={c_verify:.2f} "
-              f"draft share={c_draft:.3f} → predicted decode speedup {predicted:.2f}x, measured {measured:.2f}x "
-              f"({(measured / predicted - 1) * 100:+.0f}%)")
+        print(
+            f"{name}: α={alpha:.2f} mean γ={mean_gamma:.2f} verify cost ratio={c_verify:.2f} "
+            f"draft share={c_draft:.3f} → predicted decode speedup {predicted:.2f}x, measured {measured:.2f}x "
+            f"({(measured / predicted - 1) * 100:+.0f}%)"
+        )
     medians = {n: statistics.median(r["tokens"] / r["wall"] for r in results[(set_name, n)]) for n in systems}
     print("median per-prompt tok/s: " + ", ".join(f"{n}: {v:.2f}" for n, v in medians.items()))
 

@@ -25,13 +25,16 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import COPY_HEAVY, FREE_FORM
 
-LOAD = ("import time, torch; t = time.perf_counter(); from specwise.engine import load_target; load_target(); "
-        "print(time.perf_counter() - t)")
+LOAD = (
+    "import time, torch; t = time.perf_counter(); from specwise.engine import load_target; load_target(); "
+    "print(time.perf_counter() - t)"
+)
 
 
 def timed_load(cache: str) -> float:
-    out = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True,
-                         env={**os.environ, "SPECWISE_CACHE": cache})
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD], capture_output=True, text=True, env={**os.environ, "SPECWISE_CACHE": cache}
+    )
     if out.returncode:
         sys.exit(out.stderr)
     return float(out.stdout.strip().splitlines()[-1])
@@ -47,13 +50,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         first = timed_load(cache)
         later = timed_load(cache)
-    print(f"load of the embedded model (torch import excluded): first {first:.1f} s (empty cache: GGUF read and "
-          f"packed, kernels built), later {later:.2f} s")
+    print(
+        f"load of the embedded model (torch import excluded): first {first:.1f} s (empty cache: GGUF read and "
+        f"packed, kernels built), later {later:.2f} s"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "serve", "--port", str(port), "--drafter", "ngram",
-                             "--served-model-name", "m"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--drafter",
+            "ngram",
+            "--served-model-name",
+            "m",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -65,16 +84,21 @@ def main() -> None:
         idle = rss(proc.pid)[0]
 
         def ask(prompt: str) -> None:
-            r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-                "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200})
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=600,
+                json={"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200},
+            )
             r.raise_for_status()
 
         prompts = [p * 3 for p in COPY_HEAVY + FREE_FORM] * 2
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(ask, prompts))
         now, peak = rss(proc.pid)
-        print(f"specwise serve RSS: idle {idle:.0f} MB, after {len(prompts)} requests at concurrency 8 {now:.0f} MB, "
-              f"peak {peak:.0f} MB (target ≤ 600 MB)")
+        print(
+            f"specwise serve RSS: idle {idle:.0f} MB, after {len(prompts)} requests at concurrency 8 {now:.0f} MB, "
+            f"peak {peak:.0f} MB (target ≤ 600 MB)"
+        )
     finally:
         proc.terminate()
         proc.wait(30)

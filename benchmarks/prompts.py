@@ -28,6 +28,7 @@ FREE_FORM = [
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
+
 # General conversation, where n-gram drafts rarely match: what adaptive k must not make slower.
 CHAT = [
     *FREE_FORM,

@@ -50,8 +50,22 @@ def free_port() -> int:
 
 
 def start(mode: str, port: int, threshold: str, max_batch: int, log_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specwise.cli", "serve", "--port", str(port), "--served-model-name", "smollm2",
-           "--max-batch", str(max_batch), "--max-queue", "256", "--policy", mode]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specwise.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smollm2",
+        "--max-batch",
+        str(max_batch),
+        "--max-queue",
+        "256",
+        "--policy",
+        mode,
+    ]
     if mode != "never":
         cmd += ["--drafter", "ngram", "--k", "auto"]
     if mode == "auto" and threshold == "never":
@@ -79,19 +93,29 @@ def main() -> None:
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threshold", default="calibrate", help="auto policy HIGH[:LOW], or 'calibrate' (default): "
-                                                             "from a calibration round of on and off")
-    ap.add_argument("--requests", type=int, default=8, help="requests per phase at levels below 8 (default 8); "
-                                                             "2 × the level above")
-    ap.add_argument("--workload", default="summary", choices=["summary", "chat"],
-                    help="the built-in workload's summary tasks (default) or general chat prompts")
+    ap.add_argument(
+        "--threshold",
+        default="calibrate",
+        help="auto policy HIGH[:LOW], or 'calibrate' (default): from a calibration round of on and off",
+    )
+    ap.add_argument(
+        "--requests", type=int, default=8, help="requests per phase at levels below 8 (default 8); 2 × the level above"
+    )
+    ap.add_argument(
+        "--workload",
+        default="summary",
+        choices=["summary", "chat"],
+        help="the built-in workload's summary tasks (default) or general chat prompts",
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "specwise-serve-load"
     log_dir.mkdir(exist_ok=True)
     if args.workload == "chat":
-        tasks = [Task(f"chat{i}", ("chat",), args.max_tokens, messages=({"role": "user", "content": p},))
-                 for i, p in enumerate(CHAT)]
+        tasks = [
+            Task(f"chat{i}", ("chat",), args.max_tokens, messages=({"role": "user", "content": p},))
+            for i, p in enumerate(CHAT)
+        ]
     else:
         tasks = [t for t in builtin_workload().tasks if "summary" in t.groups][: max(2 * max(levels), args.requests)]
     ports = {m: free_port() for m in MODES}
@@ -105,17 +129,22 @@ def main() -> None:
 
         def phase(m: str, c: int, rnd: int, results: dict) -> None:
             n = max(args.requests, 2 * c)
-            reqs = [Request(t.id, list(t.groups), rnd, i, t.request, args.max_tokens)
-                    for i, t in enumerate((tasks * 4)[:n])]
+            reqs = [
+                Request(t.id, list(t.groups), rnd, i, t.request, args.max_tokens) for i, t in enumerate((tasks * 4)[:n])
+            ]
             recs = []
             seconds = backends[m].run(m, Load("concurrent", c), reqs, recs.append).seconds
             errors = [r.error for r in recs if r.error]
             if errors:
                 raise SystemExit(f"{m} @ {c}: {errors[0]}")
             tokens = sum(r.output_tokens for r in recs)
-            results.setdefault((m, c), []).append({
-                "throughput": tokens / seconds, "e2e": [r.e2e for r in recs],
-                "spec": SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs)})
+            results.setdefault((m, c), []).append(
+                {
+                    "throughput": tokens / seconds,
+                    "e2e": [r.e2e for r in recs],
+                    "spec": SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs),
+                }
+            )
             print(f"round {rnd} c={c:<3} {m:<7} {tokens / seconds:7.1f} tok/s", file=sys.stderr, flush=True)
 
         if args.threshold == "calibrate":
@@ -135,7 +164,7 @@ def main() -> None:
         flip = False
         for rnd in range(args.rounds):
             for c in levels:
-                for m in (MODES[::-1] if flip else MODES):
+                for m in MODES[::-1] if flip else MODES:
                     phase(m, c, rnd, results)
                 flip = not flip
         report(levels, results, args)
@@ -148,10 +177,14 @@ def main() -> None:
 
 def report(levels: list[int], results: dict, args) -> None:
     kind = "general chat" if args.workload == "chat" else "summary (copy-heavy) chat"
-    print(f"\nspecwise serve, embedded SmolLM2-135M, {args.max_tokens} tokens per request, {kind} "
-          f"requests, rounds={args.rounds}, auto threshold {args.threshold}")
-    print(f"{'conc':>4} | {'tok/s off':>9} {'on':>7} {'auto':>7} | {'p50 off':>7} {'on':>6} {'auto':>6} | "
-          f"{'p99 off':>7} {'on':>6} {'auto':>6} | {'on/off':>6} {'auto/best':>9} | {'accept on':>9}")
+    print(
+        f"\nspecwise serve, embedded SmolLM2-135M, {args.max_tokens} tokens per request, {kind} "
+        f"requests, rounds={args.rounds}, auto threshold {args.threshold}"
+    )
+    print(
+        f"{'conc':>4} | {'tok/s off':>9} {'on':>7} {'auto':>7} | {'p50 off':>7} {'on':>6} {'auto':>6} | "
+        f"{'p99 off':>7} {'on':>6} {'auto':>6} | {'on/off':>6} {'auto/best':>9} | {'accept on':>9}"
+    )
     for c in levels:
         tp = {m: statistics.median(r["throughput"] for r in results[(m, c)]) for m in MODES}
         e2e = {m: [x for r in results[(m, c)] for x in r["e2e"]] for m in MODES}
@@ -160,9 +193,11 @@ def report(levels: list[int], results: dict, args) -> None:
         on = results[("always", c)]
         acc = SpecCounts.pooled(r["spec"] for r in on).acceptance_rate or 0.0
         best = max(tp["never"], tp["always"])
-        print(f"{c:>4} | {tp['never']:>9.1f} {tp['always']:>7.1f} {tp['auto']:>7.1f} | {p50['never']:>7.2f} "
-              f"{p50['always']:>6.2f} {p50['auto']:>6.2f} | {p99['never']:>7.2f} {p99['always']:>6.2f} "
-              f"{p99['auto']:>6.2f} | {tp['always'] / tp['never']:>6.2f} {tp['auto'] / best:>9.2f} | {acc:>9.2f}")
+        print(
+            f"{c:>4} | {tp['never']:>9.1f} {tp['always']:>7.1f} {tp['auto']:>7.1f} | {p50['never']:>7.2f} "
+            f"{p50['always']:>6.2f} {p50['auto']:>6.2f} | {p99['never']:>7.2f} {p99['always']:>6.2f} "
+            f"{p99['auto']:>6.2f} | {tp['always'] / tp['never']:>6.2f} {tp['auto'] / best:>9.2f} | {acc:>9.2f}"
+        )
     if 1 in levels and 8 in levels:
         base = {c: statistics.median(r["throughput"] for r in results[("never", c)]) for c in (1, 8)}
         print(f"\nbaseline throughput c=8 / c=1: {base[8] / base[1]:.2f}× (target ≥ 3×)")

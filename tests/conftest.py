@@ -30,26 +30,51 @@ def write_char_tokenizer(path: Path, chars: list[str] = CHARS) -> int:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([EOS])
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}a:{% endif %}")
+    template = (
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": template}))
     return len(vocab)
 
 
-def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-                     heads: int = 4, kv_heads: int = 2, tie: bool = False, std: float = 0.4,
-                     chars: list[str] = CHARS, max_pos: int = 512, **extra) -> Path:
+def write_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tie: bool = False,
+    std: float = 0.4,
+    chars: list[str] = CHARS,
+    max_pos: int = 512,
+    **extra,
+) -> Path:
     """Save a random Llama/Qwen2/Mistral model and a char tokenizer as an HF directory."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_char_tokenizer(path, chars)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
-    cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                 tie_word_embeddings=tie, eos_token_id=vocab - 1, bos_token_id=vocab - 1, **extra)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    cfg = cls[0](
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        eos_token_id=vocab - 1,
+        bos_token_id=vocab - 1,
+        **extra,
+    )
     torch.manual_seed(seed)
     model = cls[1](cfg)
     with torch.no_grad():

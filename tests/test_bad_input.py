@@ -67,13 +67,16 @@ def test_draft_model_with_another_vocabulary(tiny, tmp_path):
         Engine(tiny, drafter=f"model:{other}")
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("foo", "unknown drafter"),
-    ("ngram:x", "whole number"),
-    ("layerskip:5-9", "outside 0..1"),
-    ("layerskip:a", "does not parse"),
-    ("model:/no/such/dir", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("foo", "unknown drafter"),
+        ("ngram:x", "whole number"),
+        ("layerskip:5-9", "outside 0..1"),
+        ("layerskip:a", "does not parse"),
+        ("model:/no/such/dir", "does not exist"),
+    ],
+)
 def test_bad_drafter_specs(tiny, spec, needle):
     with pytest.raises(SpecwiseError, match=needle):
         Engine(tiny, drafter=spec)
@@ -106,21 +109,23 @@ def test_quantizing_an_already_quantised_gguf_is_refused():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "specwise.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "specwise.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["generate", ""], "prompt is empty"),
-    (["generate", "hi", "--temperature", "-1"], "temperature=-1.0"),
-    (["generate", "hi", "--top-p", "0"], "top_p=0.0"),
-    (["generate", "hi", "--top-k", "-1"], "top_k=-1"),
-    (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens=0"),
-    (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
-    (["generate", "hi", "--k", "many"], "give a draft length from 1 to 16"),
-    (["generate", "hi", "--k", "17"], "k=17 is not allowed"),
-    (["evaluate", "--endpoint", "http://127.0.0.1:9", "--dtype", "bfloat16"], "the server decides it"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--temperature", "-1"], "temperature=-1.0"),
+        (["generate", "hi", "--top-p", "0"], "top_p=0.0"),
+        (["generate", "hi", "--top-k", "-1"], "top_k=-1"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+        (["generate", "hi", "--k", "many"], "give a draft length from 1 to 16"),
+        (["generate", "hi", "--k", "17"], "k=17 is not allowed"),
+        (["evaluate", "--endpoint", "http://127.0.0.1:9", "--dtype", "bfloat16"], "the server decides it"),
+    ],
+)
 def test_cli_reports_bad_input_without_traceback(args, needle):
     proc = run_cli(*args)
     assert proc.returncode == 2
@@ -128,8 +133,10 @@ def test_cli_reports_bad_input_without_traceback(args, needle):
 
 
 @pytest.mark.parametrize("command", ["generate hi", "serve", "evaluate"])
-@pytest.mark.parametrize("flag, value, allowed", [("--dtype", "int4", ["auto", "float32", "bfloat16", "float16"]),
-                                                  ("--quantize", "int2", ["int4", "int8"])])
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [("--dtype", "int4", ["auto", "float32", "bfloat16", "float16"]), ("--quantize", "int2", ["int4", "int8"])],
+)
 def test_cli_precision_flags_name_the_allowed_values(command, flag, value, allowed):
     proc = run_cli(*command.split(), flag, value)
     assert proc.returncode == 2 and f"invalid choice: '{value}'" in proc.stderr, proc.stderr
@@ -137,8 +144,19 @@ def test_cli_precision_flags_name_the_allowed_values(command, flag, value, allow
 
 
 def test_cli_generate_with_stats_on_a_tiny_model(tiny_dir):
-    proc = run_cli("generate", "abc abc abc", "--model", str(tiny_dir), "--drafter", "ngram", "--k", "auto",
-                   "--max-new-tokens", "12", "--stats")
+    proc = run_cli(
+        "generate",
+        "abc abc abc",
+        "--model",
+        str(tiny_dir),
+        "--drafter",
+        "ngram",
+        "--k",
+        "auto",
+        "--max-new-tokens",
+        "12",
+        "--stats",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "acceptance" in proc.stderr and "verification" in proc.stderr
 

@@ -9,8 +9,13 @@ from specwise.engine import Engine, SamplingParams
 pytestmark = pytest.mark.embedded
 
 PROMPTS = [
-    [{"role": "user", "content": "Turn these notes into release notes: fixed crash in the parser on empty input; "
-                                 "added retries to the upload client."}],
+    [
+        {
+            "role": "user",
+            "content": "Turn these notes into release notes: fixed crash in the parser on empty input; "
+            "added retries to the upload client.",
+        }
+    ],
     [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
 ]
 PARAMS = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -37,9 +42,15 @@ def test_float32_baseline_equals_transformers_greedy_generate(fp32):
     baseline = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     for prompt, ours in zip(PROMPTS, baseline, strict=False):
         ids = torch.tensor([engine.encode_prompt(prompt)])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == ours
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=48,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out[0, ids.shape[1] :].tolist() == ours
 
 
 def test_native_precision_stays_close_to_float32(embedded, fp32):
@@ -47,8 +58,10 @@ def test_native_precision_stays_close_to_float32(embedded, fp32):
     chat prompt stay within 5% of their spread of the float32 reference's, and the greedy choice is the same."""
     engine = Engine(embedded, max_batch=1)
     ids = engine.encode_prompt(PROMPTS[0])
-    native, ref = (t.model(torch.tensor([ids]), torch.arange(len(ids))[None], t.model.new_cache(1, 256), [0])[0]
-                   for t in (embedded, fp32))
+    native, ref = (
+        t.model(torch.tensor([ids]), torch.arange(len(ids))[None], t.model.new_cache(1, 256), [0])[0]
+        for t in (embedded, fp32)
+    )
     assert (native - ref).abs().max().item() <= 0.05 * ref.std().item()
     assert torch.equal(native.argmax(-1), ref.argmax(-1))
 
@@ -124,7 +137,8 @@ def test_native_packing_matches_gguf_dequantisation_tensor_by_tensor(embedded):
         k = unpermute(raw[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads)
         assert torch.equal(layer.qkv.dequantize(), torch.cat([q, k, raw[f"blk.{i}.attn_v.weight"]])), i
         assert torch.equal(layer.o.dequantize(), raw[f"blk.{i}.attn_output.weight"]), i
-        assert torch.equal(layer.gate_up.dequantize(),
-                           torch.cat([raw[f"blk.{i}.ffn_gate.weight"], raw[f"blk.{i}.ffn_up.weight"]])), i
+        assert torch.equal(
+            layer.gate_up.dequantize(), torch.cat([raw[f"blk.{i}.ffn_gate.weight"], raw[f"blk.{i}.ffn_up.weight"]])
+        ), i
         assert torch.equal(layer.down.dequantize(), raw[f"blk.{i}.ffn_down.weight"]), i
     assert torch.equal(embedded.model.weights.head.dequantize(), raw["token_embd.weight"])

@@ -25,8 +25,12 @@ PROMPTS = [
     "a long prompt: release notes, fixes, release notes, fixes, release",
 ]
 KS = [1, 2, 4, 8, "auto"]
-PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
-              "int4": ("auto", "int4")}
+PRECISIONS = {
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": ("auto", "int8"),
+    "int4": ("auto", "int4"),
+}
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
@@ -70,7 +74,8 @@ def test_plain_batch_equals_each_prompt_alone_in_every_precision(precise):
 def test_speculation_actually_skips_steps(tiny, baseline):
     """On repetitive text n-gram drafts are accepted, so fewer target passes produce the same tokens."""
     results = Engine(tiny, drafter="ngram", k=4, max_batch=8).generate(
-        PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True)
+    )
     assert sum(r.stats.accepted for r in results) > 0
     assert sum(r.stats.steps for r in results) < sum(len(b) - 1 for b in baseline)
 

@@ -23,8 +23,9 @@ def long_ctx_model(tmp_path_factory):
 
 
 def cli(*args, check=True, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "specwise.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specwise.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -62,12 +63,28 @@ def test_greedy_outputs_are_compared_between_configurations(quick_run):
 
 def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path):
     out = quick_run[0]
-    proc = cli("report", out / "run.db", "--html", tmp_path / "r.html", "--json", tmp_path / "r.json",
-               "--csv", tmp_path / "r.csv")
+    proc = cli(
+        "report",
+        out / "run.db",
+        "--html",
+        tmp_path / "r.html",
+        "--json",
+        tmp_path / "r.json",
+        "--csv",
+        tmp_path / "r.csv",
+    )
     assert "VERDICT" in proc.stdout
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     url = (tmp_path / "r.html").as_uri()
     dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
@@ -75,8 +92,12 @@ def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path
         assert f'data-plot="{plot}"' in dom.stdout, plot
     assert dom.stdout.count("<svg") >= 5 and 'class="verdict' in dom.stdout
     shot = tmp_path / "report.png"
-    subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", url],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        ["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", url],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "r.json").read_text())
     assert len(data["records"]) == 16 and data["analysis"]["verdicts"]
@@ -86,8 +107,23 @@ def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path
 def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, tmp_path):
     # 40 tasks × 2 configurations of up to 256 tokens: long enough (seconds, even on the fast kernels) to be killed
     # part way through.
-    args = [sys.executable, "-m", "specwise.cli", "evaluate", "--model", str(long_ctx_model), "--tasks", "0",
-            "--concurrency", "1", "--max-tokens", "256", "--out", str(tmp_path), "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "specwise.cli",
+        "evaluate",
+        "--model",
+        str(long_ctx_model),
+        "--tasks",
+        "0",
+        "--concurrency",
+        "1",
+        "--max-tokens",
+        "256",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     db = tmp_path / "run.db"
     deadline = time.time() + 300
@@ -106,16 +142,56 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
     proc.wait()
     before = {tuple(r) for r in sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests")}
     assert 4 <= len(before) < 80
-    again = cli("evaluate", "--model", long_ctx_model, "--tasks", 0, "--concurrency", 1, "--max-tokens", 256,
-                "--out", tmp_path, "--no-progress", check=False)
+    again = cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--tasks",
+        0,
+        "--concurrency",
+        1,
+        "--max-tokens",
+        256,
+        "--out",
+        tmp_path,
+        "--no-progress",
+        check=False,
+    )
     assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix into an existing run
-    cli("evaluate", "--model", long_ctx_model, "--tasks", 0, "--concurrency", 1, "--max-tokens", 256,
-        "--out", tmp_path, "--no-progress", "--resume")
+    cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--tasks",
+        0,
+        "--concurrency",
+        1,
+        "--max-tokens",
+        256,
+        "--out",
+        tmp_path,
+        "--no-progress",
+        "--resume",
+    )
     rows = sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests").fetchall()
     assert len(rows) == len(set(rows)) == 80  # 40 tasks × 2 configurations, each once
     assert before <= set(rows)
-    differs = cli("evaluate", "--model", long_ctx_model, "--tasks", 9, "--concurrency", 1, "--max-tokens", 256,
-                  "--out", tmp_path, "--no-progress", "--resume", check=False)
+    differs = cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--tasks",
+        9,
+        "--concurrency",
+        1,
+        "--max-tokens",
+        256,
+        "--out",
+        tmp_path,
+        "--no-progress",
+        "--resume",
+        check=False,
+    )
     assert differs.returncode == 2 and "differs in: workload" in differs.stderr
 
 
@@ -140,17 +216,25 @@ def bad_workload(tmp_path, text):
     return p
 
 
-@pytest.mark.parametrize("make_args, needle", [
-    (lambda t: ["--workload", bad_workload(t, "tasks:\n  - {id: a, max_tokens: 3}")], "give exactly one of"),
-    (lambda t: ["--workload", bad_workload(t, "tasks:\n  - {id: a, prompt: x, max_tokens: 3, validators: "
-                                              "[{type: vibes}]}")], "unknown validator 'vibes'"),
-    (lambda t: ["--workload", bad_workload(t, "tasks: []")], "non-empty list"),
-    (lambda t: ["--drafter", "magic"], "unknown drafter 'magic'"),
-    (lambda t: ["--concurrency", "0"], "--concurrency '0' is not allowed"),
-    (lambda t: ["--rate", "-1"], "--rate '-1' is not allowed"),
-    (lambda t: ["--out", "/proc/specwise-cannot-write-here"], "not writable"),
-    (lambda t: ["--tasks", "-3"], "--tasks -3"),
-])
+@pytest.mark.parametrize(
+    "make_args, needle",
+    [
+        (lambda t: ["--workload", bad_workload(t, "tasks:\n  - {id: a, max_tokens: 3}")], "give exactly one of"),
+        (
+            lambda t: [
+                "--workload",
+                bad_workload(t, "tasks:\n  - {id: a, prompt: x, max_tokens: 3, validators: [{type: vibes}]}"),
+            ],
+            "unknown validator 'vibes'",
+        ),
+        (lambda t: ["--workload", bad_workload(t, "tasks: []")], "non-empty list"),
+        (lambda t: ["--drafter", "magic"], "unknown drafter 'magic'"),
+        (lambda t: ["--concurrency", "0"], "--concurrency '0' is not allowed"),
+        (lambda t: ["--rate", "-1"], "--rate '-1' is not allowed"),
+        (lambda t: ["--out", "/proc/specwise-cannot-write-here"], "not writable"),
+        (lambda t: ["--tasks", "-3"], "--tasks -3"),
+    ],
+)
 def test_bad_evaluate_input_is_refused_before_measuring(tmp_path, make_args, needle):
     start = time.time()
     proc = cli("evaluate", "--model", "/no/model/needed/yet", *make_args(tmp_path), check=False)
@@ -189,41 +273,72 @@ def test_evaluate_quick_on_the_embedded_model(tmp_path):
 
 
 def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
-    cli("evaluate", "--model", long_ctx_model, "--tasks", 4, "--rate", "4", "--max-tokens", 16, "--temperature",
-        "0.8", "--out", tmp_path, "--no-progress")
+    cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--tasks",
+        4,
+        "--rate",
+        "4",
+        "--max-tokens",
+        16,
+        "--temperature",
+        "0.8",
+        "--out",
+        tmp_path,
+        "--no-progress",
+    )
     run = load_run(tmp_path / "run.db")
     assert {r.load for r in run.records} == {"poisson@4"} and len(run.records) == 8
     comp = run.analysis.comparisons
     assert comp and all(c.output_length_ks is not None and c.mismatches == [] for c in comp)
-    assert "rate" in " ".join(cl.text for v in run.analysis.verdicts["ngram k=auto"].values()
-                              for cl in v.clauses)
+    assert "rate" in " ".join(cl.text for v in run.analysis.verdicts["ngram k=auto"].values() for cl in v.clauses)
 
 
 def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
     cfg = tmp_path / "configs.yaml"
-    cfg.write_text("configs:\n  - {name: base}\n  - {name: ngram-2, drafter: ngram, k: 2}\n"
-                   "  - {name: skip, drafter: 'layerskip:1', k: auto}\n")
-    cli("evaluate", "--model", long_ctx_model, "--config", cfg, "--tasks", 4, "--concurrency", 1, "--max-tokens", 16,
-        "--out", tmp_path / "out", "--no-progress")
+    cfg.write_text(
+        "configs:\n  - {name: base}\n  - {name: ngram-2, drafter: ngram, k: 2}\n"
+        "  - {name: skip, drafter: 'layerskip:1', k: auto}\n"
+    )
+    cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--config",
+        cfg,
+        "--tasks",
+        4,
+        "--concurrency",
+        1,
+        "--max-tokens",
+        16,
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    )
     run = load_run(tmp_path / "out" / "run.db")
     assert run.analysis.configs == ["base", "ngram-2", "skip"]
     assert set(run.analysis.verdicts) == {"ngram-2", "skip"}
     assert len(run.records) == 4 * 3
-    assert run.provenance["configs"]["skip"]["draft_identity"]["derived_from"] == run.provenance["target"][
-        "sha256"]
+    assert run.provenance["configs"]["skip"]["draft_identity"]["derived_from"] == run.provenance["target"]["sha256"]
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("configs:\n  - {name: base}\n  - {name: x, drafter: turbo}", "configs[1]: unknown drafter 'turbo'"),
-    ("configs:\n  - {name: base}", "a baseline and at least one speculative"),
-    ("configs:\n  - {name: base}\n  - {name: x, drafter: ngram, colour: red}", "configs[1] must be a mapping"),
-    ("configs:\n  - {name: x, drafter: ngram}\n  - {name: base}", "is the baseline: it must have no drafter"),
-    ("configs:\n  - {name: a}\n  - {name: a, drafter: ngram}", "names must be unique"),
-    ("configs:\n  - {name: a, launch: ''}\n  - {name: b, launch: x}", "configs[0].launch must be a command line"),
-    ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, request: 5}", "configs[1].request must be a mapping"),
-    ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, k: 40}", "configs[1]: k=40 is not allowed"),
-    ("configs:\n  - {name: a}\n  - {name: b, drafter: 'ngram:x'}", "ngram:N takes a whole number"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("configs:\n  - {name: base}\n  - {name: x, drafter: turbo}", "configs[1]: unknown drafter 'turbo'"),
+        ("configs:\n  - {name: base}", "a baseline and at least one speculative"),
+        ("configs:\n  - {name: base}\n  - {name: x, drafter: ngram, colour: red}", "configs[1] must be a mapping"),
+        ("configs:\n  - {name: x, drafter: ngram}\n  - {name: base}", "is the baseline: it must have no drafter"),
+        ("configs:\n  - {name: a}\n  - {name: a, drafter: ngram}", "names must be unique"),
+        ("configs:\n  - {name: a, launch: ''}\n  - {name: b, launch: x}", "configs[0].launch must be a command line"),
+        ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, request: 5}", "configs[1].request must be a mapping"),
+        ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, k: 40}", "configs[1]: k=40 is not allowed"),
+        ("configs:\n  - {name: a}\n  - {name: b, drafter: 'ngram:x'}", "ngram:N takes a whole number"),
+    ],
+)
 def test_bad_configuration_files_are_refused(tmp_path, text, needle):
     cfg = tmp_path / "configs.yaml"
     cfg.write_text(text)

@@ -50,22 +50,26 @@ def cell(group, load, lo, hi, **kw):
 
 
 def test_verdict_adopt_when_every_cell_wins():
-    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 1.05, 1.2),
-                cell("free", 4, 1.01, 1.1)])
+    v = decide(
+        [cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 1.05, 1.2), cell("free", 4, 1.01, 1.1)]
+    )
     assert v.decision == ADOPT
     assert any("1.10–1.30" in c.text for c in v.clauses)
 
 
 def test_verdict_conditional_names_threshold_and_groups():
-    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 2, 1.1, 1.3), cell("copy", 4, 0.8, 0.95),
-                cell("copy", 8, 0.7, 0.8)], load_name="concurrency")
+    v = decide(
+        [cell("copy", 1, 1.3, 1.6), cell("copy", 2, 1.1, 1.3), cell("copy", 4, 0.8, 0.95), cell("copy", 8, 0.7, 0.8)],
+        load_name="concurrency",
+    )
     assert v.decision == CONDITIONAL and v.threshold == 2 and v.groups == ["copy"] and not v.everywhere
     assert "concurrency ≤ 2; turn speculation off above it" in v.headline("concurrency")
 
 
 def test_verdict_conditional_for_the_groups_that_win():
-    v = decide([cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 0.9, 1.05),
-                cell("free", 4, 0.85, 0.95)])
+    v = decide(
+        [cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 0.9, 1.05), cell("free", 4, 0.85, 0.95)]
+    )
     assert v.decision == CONDITIONAL and v.groups == ["copy"] and v.everywhere
     assert "adopt for copy (wins at every load measured" in v.headline()
 
@@ -114,8 +118,10 @@ def test_ks_p_value_is_exact_for_small_groups():
     pool = [1, 2, 3, 4, 5, 6, 6.5, 8, 9, 10, 11, 12]
     a, b = [1, 2, 3, 4, 5, 6.5], [6, 8, 9, 10, 11, 12]
     d_obs = ks_two_sample(a, b)["d"]
-    extreme = sum(ks_two_sample([pool[i] for i in c], [pool[i] for i in range(12) if i not in c])["d"] >= d_obs - 1e-12
-                  for c in combinations(range(12), 6))
+    extreme = sum(
+        ks_two_sample([pool[i] for i in c], [pool[i] for i in range(12) if i not in c])["d"] >= d_obs - 1e-12
+        for c in combinations(range(12), 6)
+    )
     assert ks_two_sample(a, b)["p"] == pytest.approx(extreme / 924, rel=1e-6)
 
 
@@ -128,8 +134,13 @@ def test_runner_refuses_configurations_that_differ():
     from specwise.errors import SpecwiseError
     from specwise.harness.runner import check_comparable
 
-    same = {"target": {"sha256": "a"}, "hardware": {"cpu": "x"}, "prompts": ["t1"], "max_tokens": [8],
-            "sampling": {"temperature": 0}}
+    same = {
+        "target": {"sha256": "a"},
+        "hardware": {"cpu": "x"},
+        "prompts": ["t1"],
+        "max_tokens": [8],
+        "sampling": {"temperature": 0},
+    }
     check_comparable({"baseline": same, "spec": dict(same)})
     with pytest.raises(SpecwiseError, match=r"differ in max_tokens .*baseline: \[8\]; spec: \[16\]"):
         check_comparable({"baseline": same, "spec": {**same, "max_tokens": [16]}})

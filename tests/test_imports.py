@@ -11,8 +11,17 @@ import specwise
 
 SRC = Path(specwise.__file__).parent
 TORCH_FREE_PACKAGES = ("specwise.harness", "specwise.monitor")
-TORCH_FREE_MODULES = ["specwise", "specwise.errors", "specwise.paths", "specwise.specs", "specwise.speccounts",
-                      "specwise.cli", "specwise.server", "specwise.server.protocol", "specwise.server.command"]
+TORCH_FREE_MODULES = [
+    "specwise",
+    "specwise.errors",
+    "specwise.paths",
+    "specwise.specs",
+    "specwise.speccounts",
+    "specwise.cli",
+    "specwise.server",
+    "specwise.server.protocol",
+    "specwise.server.command",
+]
 
 
 def all_modules() -> list[str]:
@@ -20,8 +29,11 @@ def all_modules() -> list[str]:
 
 
 def torch_free_modules() -> list[str]:
-    return TORCH_FREE_MODULES + [m for m in all_modules() if m.startswith(tuple(p + "." for p in TORCH_FREE_PACKAGES))
-                                 or m in TORCH_FREE_PACKAGES]
+    return TORCH_FREE_MODULES + [
+        m
+        for m in all_modules()
+        if m.startswith(tuple(p + "." for p in TORCH_FREE_PACKAGES)) or m in TORCH_FREE_PACKAGES
+    ]
 
 
 def test_the_walk_finds_the_modules_it_must_check():
@@ -30,9 +42,12 @@ def test_the_walk_finds_the_modules_it_must_check():
 
 
 def test_harness_and_monitor_do_not_import_torch():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in torch_free_modules()) +
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
-            "print(','.join(bad))\n")
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in torch_free_modules())
+        + "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
@@ -62,8 +77,9 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                         for a in node.names]
+                names = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+                ]
             else:
                 continue
             if _type_checking_only(node, parents):
@@ -82,7 +98,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                return [*path[path.index(n):], n]
+                return [*path[path.index(n) :], n]
             if n not in state and (found := visit(n)):
                 return found
         path.pop()

@@ -80,8 +80,12 @@ def test_quantisers_stay_within_half_a_step():
 
 # --- the whole decoder ------------------------------------------------------------------------------------------
 
-PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
-              "int4": ("auto", "int4")}
+PRECISIONS = {
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": ("auto", "int8"),
+    "int4": ("auto", "int4"),
+}
 
 
 def logits(model, cache, tokens, positions, slots):
@@ -133,8 +137,9 @@ def test_decoder_rows_do_not_depend_on_the_thread_count(tiny_dir):
 @pytest.mark.embedded
 def test_embedded_rows_are_batch_and_draft_invariant(embedded):
     tok = embedded.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "List three colours."}]),
-                        add_special_tokens=False)
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "List three colours."}]), add_special_tokens=False
+    )
     other = tok.encode("Release notes: fixed the parser; added retries to the upload client.")
     check_invariance(embedded.model, prompt, tok.encode(" Red, green and blue are colours.")[:8], other)
 
@@ -168,14 +173,27 @@ def write_gguf(path, types: dict[str, str]) -> None:
 
     C, F, H, Hkv, V = 256, 512, 4, 2, 64  # hidden, feed-forward, heads, kv heads, vocabulary
     D = C // H
-    shapes = {"token_embd.weight": (V, C), "output.weight": (V, C), "blk.0.attn_q.weight": (C, C),
-              "blk.0.attn_k.weight": (Hkv * D, C), "blk.0.attn_v.weight": (Hkv * D, C),
-              "blk.0.attn_output.weight": (C, C), "blk.0.ffn_gate.weight": (F, C), "blk.0.ffn_up.weight": (F, C),
-              "blk.0.ffn_down.weight": (C, F)}
+    shapes = {
+        "token_embd.weight": (V, C),
+        "output.weight": (V, C),
+        "blk.0.attn_q.weight": (C, C),
+        "blk.0.attn_k.weight": (Hkv * D, C),
+        "blk.0.attn_v.weight": (Hkv * D, C),
+        "blk.0.attn_output.weight": (C, C),
+        "blk.0.ffn_gate.weight": (F, C),
+        "blk.0.ffn_up.weight": (F, C),
+        "blk.0.ffn_down.weight": (C, F),
+    }
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", 1), ("context_length", 128), ("embedding_length", C),
-                       ("feed_forward_length", F), ("attention.head_count", H), ("attention.head_count_kv", Hkv),
-                       ("vocab_size", V)]:
+    for key, value in [
+        ("block_count", 1),
+        ("context_length", 128),
+        ("embedding_length", C),
+        ("feed_forward_length", F),
+        ("attention.head_count", H),
+        ("attention.head_count_kv", Hkv),
+        ("vocab_size", V),
+    ]:
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 10000.0)
@@ -214,14 +232,23 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path):
     from specwise.engine.model import ModelConfig
     from specwise.engine.native import NativeDecoder, from_gguf
 
-    types = {"token_embd.weight": "Q8_0", "output.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_0",
-             "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_1", "blk.0.attn_output.weight": "Q8_0",
-             "blk.0.ffn_gate.weight": "F16", "blk.0.ffn_up.weight": "Q5_0", "blk.0.ffn_down.weight": "Q4_K"}
+    types = {
+        "token_embd.weight": "Q8_0",
+        "output.weight": "Q6_K",
+        "blk.0.attn_q.weight": "Q4_0",
+        "blk.0.attn_k.weight": "Q4_K",
+        "blk.0.attn_v.weight": "Q4_1",
+        "blk.0.attn_output.weight": "Q8_0",
+        "blk.0.ffn_gate.weight": "F16",
+        "blk.0.ffn_up.weight": "Q5_0",
+        "blk.0.ffn_down.weight": "Q4_K",
+    }
     path = tmp_path / "mixed.gguf"
     write_gguf(path, types)
     reader = GGUFReader(str(path))
-    raw = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-           for t in reader.tensors}
+    raw = {
+        t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors
+    }
     cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
     weights = from_gguf(reader, path, cfg)
     layer = weights.layers[0]

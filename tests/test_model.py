@@ -26,8 +26,18 @@ CONFIGS = [
     ("llama", {"tie": True}),
     ("llama", {"kv_heads": 4}),  # plain multi-head attention
     ("llama", {"attention_bias": True}),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("qwen2", {}),
     ("mistral", {}),
@@ -86,8 +96,10 @@ def test_rejected_slots_are_overwritten(tiny):
 @pytest.mark.embedded
 def test_embedded_logits_match_transformers(embedded):
     tok = embedded.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Summarise: the cache was rebuilt."}]),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "Summarise: the cache was rebuilt."}]),
+        add_special_tokens=False,
+    )
     fp32 = load_target(dtype="float32")
     diff = (our_logits(fp32.model, ids) - hf_logits(fp32.directory, ids)).abs().max().item()
     assert diff <= 1e-3
@@ -112,8 +124,10 @@ def test_the_reference_decoder_refuses_speculation(tiny_dir):
 
     target = load_target(tiny_dir, reference=True)
     plain = Engine(target).generate("abc", SamplingParams(max_new_tokens=8))[0]
-    assert plain.token_ids == Engine(load_target(tiny_dir, dtype="float32")).generate(
-        "abc", SamplingParams(max_new_tokens=8))[0].token_ids
+    assert (
+        plain.token_ids
+        == Engine(load_target(tiny_dir, dtype="float32")).generate("abc", SamplingParams(max_new_tokens=8))[0].token_ids
+    )
     with pytest.raises(SpecwiseError, match="not batch-invariant"):
         Engine(target, drafter="ngram")
 

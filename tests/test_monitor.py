@@ -28,28 +28,57 @@ def traffic(rng: random.Random, alpha=(7, 3), out=(40, 120), prompt=(20, 200), k
     output = rng.randint(*out)
     steps = max(1, math.ceil(output / (1 + k * p)))
     accepted = min(output - steps, k * steps)
-    return {"output": output, "prompt": rng.randint(*prompt), "steps": steps, "drafted": k * steps,
-            "accepted": max(accepted, 0), "drafting_time": 0.001 * steps, "verification_time": 0.08 * steps}
+    return {
+        "output": output,
+        "prompt": rng.randint(*prompt),
+        "steps": steps,
+        "drafted": k * steps,
+        "accepted": max(accepted, 0),
+        "drafting_time": 0.001 * steps,
+        "verification_time": 0.08 * steps,
+    }
 
 
 def write_baseline(path, n=120, seed=0, **kw) -> str:
     rng = random.Random(seed)
     store = Store(path)
-    plan = {"workload": {"name": "w", "source": "synthetic", "tasks": [[f"t{i}", 128] for i in range(n)]},
-            "configs": [Config("baseline").to_dict(), Config("ngram k=auto", "ngram").to_dict()],
-            "loads": ["concurrent@1", "concurrent@4"], "repeats": 1, "seed": 0, "temperature": 0.0, "model": None}
+    plan = {
+        "workload": {"name": "w", "source": "synthetic", "tasks": [[f"t{i}", 128] for i in range(n)]},
+        "configs": [Config("baseline").to_dict(), Config("ngram k=auto", "ngram").to_dict()],
+        "loads": ["concurrent@1", "concurrent@4"],
+        "repeats": 1,
+        "seed": 0,
+        "temperature": 0.0,
+        "model": None,
+    }
     store.set_meta("plan", plan)
-    store.set_meta("provenance", {"target": TARGET, "hardware": {},
-                                  "configs": {"ngram k=auto": {"draft_identity": NGRAM}}})
+    store.set_meta(
+        "provenance", {"target": TARGET, "hardware": {}, "configs": {"ngram k=auto": {"draft_identity": NGRAM}}}
+    )
     for load in plan["loads"]:
         for i in range(n // 2):
             t = traffic(rng, **kw)
-            common = dict(prompt_tokens=t["prompt"], output_tokens=t["output"], e2e=1.0, ttft=0.1, started=0.0,
-                          finished=1.0)
+            common = dict(
+                prompt_tokens=t["prompt"], output_tokens=t["output"], e2e=1.0, ttft=0.1, started=0.0, finished=1.0
+            )
             store.add(Record("baseline", load, f"t{i}", 0, ["g"], **common))
-            store.add(Record("ngram k=auto", load, f"t{i}", 0, ["g"], spec={
-                "steps": t["steps"], "drafted": t["drafted"], "accepted": t["accepted"],
-                "drafting_time": t["drafting_time"], "verification_time": t["verification_time"]}, **common))
+            store.add(
+                Record(
+                    "ngram k=auto",
+                    load,
+                    f"t{i}",
+                    0,
+                    ["g"],
+                    spec={
+                        "steps": t["steps"],
+                        "drafted": t["drafted"],
+                        "accepted": t["accepted"],
+                        "drafting_time": t["drafting_time"],
+                        "verification_time": t["verification_time"],
+                    },
+                    **common,
+                )
+            )
     store.close()
     return str(path)
 
@@ -60,12 +89,27 @@ def entries(n=80, seed=1, load=(1, 4), target=TARGET, draft=NGRAM, age=600.0, **
     out = []
     for _ in range(n):
         t = traffic(rng, **kw)
-        out.append(LogEntry(time=now - rng.uniform(0, age), prompt_tokens=t["prompt"], output_tokens=t["output"],
-                            ttft=0.1, e2e=1.0, load=rng.randint(*load), speculative=True, drafter="ngram",
-                            spec=SpecCounts(t["steps"], t["drafted"], t["accepted"],
-                                            drafting_time=t["drafting_time"],
-                                            verification_time=t["verification_time"]),
-                            target=dict(target), draft=dict(draft)))
+        out.append(
+            LogEntry(
+                time=now - rng.uniform(0, age),
+                prompt_tokens=t["prompt"],
+                output_tokens=t["output"],
+                ttft=0.1,
+                e2e=1.0,
+                load=rng.randint(*load),
+                speculative=True,
+                drafter="ngram",
+                spec=SpecCounts(
+                    t["steps"],
+                    t["drafted"],
+                    t["accepted"],
+                    drafting_time=t["drafting_time"],
+                    verification_time=t["verification_time"],
+                ),
+                target=dict(target),
+                draft=dict(draft),
+            )
+        )
     return out
 
 
@@ -128,6 +172,7 @@ def test_window_strings():
 
 # --- the command line ---------------------------------------------------------------------------------------------
 
+
 def monitor(*args):
     from test_evaluate import cli
 
@@ -141,8 +186,12 @@ def test_monitor_exit_codes(tmp_path):
     bad = monitor("--baseline", base, "--log", write_log(tmp_path / "bad.db", entries(alpha=(3, 7))))
     assert bad.returncode == 1 and "DRIFTED" in bad.stdout
     assert "acceptance rate" in bad.stdout and "drifted" in bad.stdout
-    rev = monitor("--baseline", base, "--log", write_log(tmp_path / "rev.db", entries(
-        draft={"name": "ngram:2", "derived_from": None})))
+    rev = monitor(
+        "--baseline",
+        base,
+        "--log",
+        write_log(tmp_path / "rev.db", entries(draft={"name": "ngram:2", "derived_from": None})),
+    )
     assert rev.returncode == 1 and "INVALID" in rev.stdout and "ngram:2" in rev.stdout
 
 
@@ -170,20 +219,32 @@ def _zero_bytes(path):
     return path
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda t, b, g: ["--baseline", b, "--log", t / "missing.db"], "does not exist"),
-    (lambda t, b, g: ["--baseline", t / "missing.db", "--log", g], "does not exist"),
-    (lambda t, b, g: ["--baseline", b, "--log", _other_schema_log(t / "v99.db")], "schema version 99"),
-    (lambda t, b, g: ["--baseline", _other_schema_run(t / "r99.db"), "--log", g], "schema version 99"),
-    (lambda t, b, g: ["--baseline", b, "--log", write_log(t / "empty.db", [])], "the request log is empty"),
-    (lambda t, b, g: ["--baseline", _zero_bytes(t / "zero.db"), "--log", g], "not a specwise results file"),
-    (lambda t, b, g: ["--baseline", g, "--log", g], "not a specwise results file"),
-    (lambda t, b, g: ["--baseline", b, "--log", b], "not a specwise request log"),
-    (lambda t, b, g: ["--baseline", b, "--log", write_log(t / "old.db", entries(age=1, n=10)) and
-                      _age(t / "old.db"), "--window", "1m"], "holds no requests"),
-    (lambda t, b, g: ["--baseline", b, "--log", g, "--window", "soon"], "--window 'soon' does not parse"),
-    (lambda t, b, g: ["--baseline", b, "--log", g, "--alpha", "2"], "--alpha 2.0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda t, b, g: ["--baseline", b, "--log", t / "missing.db"], "does not exist"),
+        (lambda t, b, g: ["--baseline", t / "missing.db", "--log", g], "does not exist"),
+        (lambda t, b, g: ["--baseline", b, "--log", _other_schema_log(t / "v99.db")], "schema version 99"),
+        (lambda t, b, g: ["--baseline", _other_schema_run(t / "r99.db"), "--log", g], "schema version 99"),
+        (lambda t, b, g: ["--baseline", b, "--log", write_log(t / "empty.db", [])], "the request log is empty"),
+        (lambda t, b, g: ["--baseline", _zero_bytes(t / "zero.db"), "--log", g], "not a specwise results file"),
+        (lambda t, b, g: ["--baseline", g, "--log", g], "not a specwise results file"),
+        (lambda t, b, g: ["--baseline", b, "--log", b], "not a specwise request log"),
+        (
+            lambda t, b, g: [
+                "--baseline",
+                b,
+                "--log",
+                write_log(t / "old.db", entries(age=1, n=10)) and _age(t / "old.db"),
+                "--window",
+                "1m",
+            ],
+            "holds no requests",
+        ),
+        (lambda t, b, g: ["--baseline", b, "--log", g, "--window", "soon"], "--window 'soon' does not parse"),
+        (lambda t, b, g: ["--baseline", b, "--log", g, "--alpha", "2"], "--alpha 2.0 is not allowed"),
+    ],
+)
 def test_bad_monitor_input_exits_2(tmp_path, make, needle):
     base = write_baseline(tmp_path / "run.db", n=20)
     good = write_log(tmp_path / "good.db", entries(n=10))
@@ -201,7 +262,8 @@ def test_request_log_round_trip(tmp_path):
     write_log(tmp_path / "l.db", items)
     back = RequestLog(tmp_path / "l.db", mode="r").entries()
     assert sorted(json.dumps(asdict(e), sort_keys=True) for e in back) == sorted(
-        json.dumps(asdict(e), sort_keys=True) for e in items)
+        json.dumps(asdict(e), sort_keys=True) for e in items
+    )
 
 
 # --- end to end: serve --log, familiar then unfamiliar traffic ------------------------------------------------------
@@ -235,15 +297,49 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
     from test_server import free_port
 
     work = tmp_path / "w.yaml"
-    work.write_text("tasks:\n" + "".join(f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], "
-                                         f"max_tokens: 32}}\n" for i, p in enumerate(COPY_HEAVY)))
-    cli("evaluate", "--workload", work, "--concurrency", "1", "--repeats", "2", "--drafter", "ngram",
-        "--out", tmp_path / "run", "--no-progress")
+    work.write_text(
+        "tasks:\n"
+        + "".join(
+            f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], max_tokens: 32}}\n"
+            for i, p in enumerate(COPY_HEAVY)
+        )
+    )
+    cli(
+        "evaluate",
+        "--workload",
+        work,
+        "--concurrency",
+        "1",
+        "--repeats",
+        "2",
+        "--drafter",
+        "ngram",
+        "--out",
+        tmp_path / "run",
+        "--no-progress",
+    )
     base = tmp_path / "run" / "run.db"
     log, port = tmp_path / "requests.db", free_port()
-    server = subprocess.Popen([sys.executable, "-m", "specwise.cli", "serve", "--drafter", "ngram", "--port",
-                               str(port), "--log", str(log), "--served-model-name", "m", "--drift-baseline",
-                               str(base)], stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "serve",
+            "--drafter",
+            "ngram",
+            "--port",
+            str(port),
+            "--log",
+            str(log),
+            "--served-model-name",
+            "m",
+            "--drift-baseline",
+            str(base),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -258,8 +354,16 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
             from concurrent.futures import ThreadPoolExecutor
 
             def ask(p):
-                r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-                    "model": "m", "messages": [{"role": "user", "content": p}], "max_tokens": 32, "temperature": 0})
+                r = httpx.post(
+                    url + "/v1/chat/completions",
+                    timeout=300,
+                    json={
+                        "model": "m",
+                        "messages": [{"role": "user", "content": p}],
+                        "max_tokens": 32,
+                        "temperature": 0,
+                    },
+                )
                 assert r.status_code == 200, r.text
 
             with ThreadPoolExecutor(1) as pool:  # one at a time, the load the evaluation measured
@@ -280,12 +384,16 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
         assert any(line.startswith(("acceptance", "speedup")) for line in drifted), unfamiliar.stdout
         time.sleep(5.5)  # the gauges are recomputed at most every 5 s
         text = httpx.get(url + "/metrics").text
-        gauge = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith(("specwise_drift_alert{", "specwise_acceptance_rate{"))}
+        gauge = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("specwise_drift_alert{", "specwise_acceptance_rate{"))
+        }
         logged = RequestLog(log, mode="r").entries()
         assert len(logged) == 16
         assert gauge["specwise_acceptance_rate"] == pytest.approx(
-            sum(e.spec.accepted for e in logged) / sum(e.spec.drafted for e in logged))
+            sum(e.spec.accepted for e in logged) / sum(e.spec.drafted for e in logged)
+        )
         whole = monitor("--baseline", base, "--log", log, "--window", "1h")  # the gauges' window and level
         assert gauge["specwise_drift_alert"] == float(whole.returncode == 1), whole.stdout
     finally:
@@ -301,10 +409,25 @@ def test_watch_refreshes_the_table_until_interrupted(tmp_path):
 
     base = write_baseline(tmp_path / "run.db", n=20)
     log = write_log(tmp_path / "log.db", entries(n=10))
-    proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "monitor", "--baseline", base, "--log", log,
-                             "--watch", "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True,  # Ctrl-C as at a terminal, even when this suite runs in the background
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "monitor",
+            "--baseline",
+            base,
+            "--log",
+            log,
+            "--watch",
+            "--interval",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,  # Ctrl-C as at a terminal, even when this suite runs in the background
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()

@@ -27,8 +27,23 @@ def wheel(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp / "dist"), str(src)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (whl,) = (tmp / "dist").glob("specwise-*.whl")
     return whl
 
@@ -39,15 +54,24 @@ def light_env(wheel, tmp_path_factory) -> Path:
     env = tmp_path_factory.mktemp("venv") / "env"
     venv.EnvBuilder(with_pip=True).create(env)
     py = env / "bin" / "python"
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return env
 
 
 def run_in(env: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(env / "bin" / a) if i == 0 else str(a) for i, a in enumerate(args)],
-                          capture_output=True, text=True, timeout=300, cwd=env)
+    proc = subprocess.run(
+        [str(env / "bin" / a) if i == 0 else str(a) for i, a in enumerate(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=env,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -60,12 +84,14 @@ def test_the_wheel_carries_its_data_files(wheel):
 
 
 def test_the_harness_runs_from_the_installed_wheel_without_torch(light_env, tmp_path):
-    code = ("import importlib.util, sys\n"
-            "assert importlib.util.find_spec('torch') is None, 'torch is installed'\n"
-            "from specwise.harness.workload import builtin_workload\n"
-            "w = builtin_workload()\n"
-            "assert len(w.tasks) >= 12, len(w.tasks)\n"
-            "import specwise; print(specwise.__file__)\n")
+    code = (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('torch') is None, 'torch is installed'\n"
+        "from specwise.harness.workload import builtin_workload\n"
+        "w = builtin_workload()\n"
+        "assert len(w.tasks) >= 12, len(w.tasks)\n"
+        "import specwise; print(specwise.__file__)\n"
+    )
     out = run_in(light_env, "python", "-c", code).stdout
     assert str(light_env) in out  # the installed copy, not the checkout
     assert "--endpoint" in run_in(light_env, "specwise", "evaluate", "--help").stdout
@@ -74,14 +100,38 @@ def test_the_harness_runs_from_the_installed_wheel_without_torch(light_env, tmp_
     db = tmp_path / "run.db"
     store = Store(db)
     tasks = [[f"t{i}", 16] for i in range(4)]
-    store.set_meta("plan", {"workload": {"name": "w", "source": "synthetic", "tasks": tasks},
-                            "configs": [Config("baseline").to_dict(), Config("ngram k=4", "ngram", 4).to_dict()],
-                            "loads": ["concurrent@1"], "repeats": 1, "seed": 0, "temperature": 0.0, "model": None})
+    store.set_meta(
+        "plan",
+        {
+            "workload": {"name": "w", "source": "synthetic", "tasks": tasks},
+            "configs": [Config("baseline").to_dict(), Config("ngram k=4", "ngram", 4).to_dict()],
+            "loads": ["concurrent@1"],
+            "repeats": 1,
+            "seed": 0,
+            "temperature": 0.0,
+            "model": None,
+        },
+    )
     store.set_meta("provenance", {"target": {"name": "m", "sha256": "a" * 64}, "hardware": {}})
     for i in range(4):
         for config, e2e in (("baseline", 2.0), ("ngram k=4", 1.0)):
-            store.add(Record(config, "concurrent@1", f"t{i}", 0, ["g"], 0, 0.0, e2e, output="same", e2e=e2e,
-                             ttft=0.1, output_tokens=16, passed=True))
+            store.add(
+                Record(
+                    config,
+                    "concurrent@1",
+                    f"t{i}",
+                    0,
+                    ["g"],
+                    0,
+                    0.0,
+                    e2e,
+                    output="same",
+                    e2e=e2e,
+                    ttft=0.1,
+                    output_tokens=16,
+                    passed=True,
+                )
+            )
     store.close()
     report = run_in(light_env, "specwise", "report", str(db), "--json", str(tmp_path / "r.json"))
     assert "VERDICT for ngram k=4" in report.stdout and (tmp_path / "report.html").exists()

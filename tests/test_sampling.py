@@ -31,16 +31,19 @@ def test_temperature_sharpens():
     assert cold > hot
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"max_new_tokens": 0}, "max_new_tokens=0"),
-    ({"max_new_tokens": -3}, "max_new_tokens=-3"),
-    ({"temperature": -0.1}, "temperature=-0.1"),
-    ({"top_p": 0.0}, "top_p=0.0"),
-    ({"top_p": 1.5}, "top_p=1.5"),
-    ({"top_k": -1}, "top_k=-1"),
-    ({"seed": -1}, "seed=-1"),
-    ({"stop": ("",)}, "stop="),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": -3}, "max_new_tokens=-3"),
+        ({"temperature": -0.1}, "temperature=-0.1"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"top_k": -1}, "top_k=-1"),
+        ({"seed": -1}, "seed=-1"),
+        ({"stop": ("",)}, "stop="),
+    ],
+)
 def test_bad_sampling_values_raise_a_clear_error(kwargs, needle):
     with pytest.raises(SpecwiseError) as err:
         SamplingParams(**kwargs)

@@ -21,8 +21,16 @@ from specwise.engine.scheduler import Policy
 from specwise.harness.http_backend import parse_spec_counters
 from specwise.server.app import ServerState, create_app
 
-PROMPTS = ["abc abc abc abc", "the cat sat on the mat. the cat", "hello", "1 2 3 4 1 2 3 4 1 2",
-           "zz yy zz yy", "a.b.c.", "no one", "mississippi mississippi"]
+PROMPTS = [
+    "abc abc abc abc",
+    "the cat sat on the mat. the cat",
+    "hello",
+    "1 2 3 4 1 2 3 4 1 2",
+    "zz yy zz yy",
+    "a.b.c.",
+    "no one",
+    "mississippi mississippi",
+]
 
 
 class SlowEngine(Engine):
@@ -45,13 +53,20 @@ def free_port() -> int:
 class Live:
     """A real uvicorn server on loopback, in a thread, serving `engine`."""
 
-    def __init__(self, engine: Engine, policy: Policy | None = None, max_queue: int = 64, api_key: str | None = None,
-                 max_body: int = 1 << 20):
+    def __init__(
+        self,
+        engine: Engine,
+        policy: Policy | None = None,
+        max_queue: int = 64,
+        api_key: str | None = None,
+        max_body: int = 1 << 20,
+    ):
         self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state, max_body), host="127.0.0.1",
-                                                    port=self.port, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(self.state, max_body), host="127.0.0.1", port=self.port, log_level="error")
+        )
         self.state.scheduler.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -102,6 +117,7 @@ def alone(target, prompt, max_tokens, chat=False):
 
 # --- the official client ----------------------------------------------------------------------------------------
 
+
 def test_openai_client_completions_and_chat_streamed_and_not(live, target):
     import openai
 
@@ -116,21 +132,35 @@ def test_openai_client_completions_and_chat_streamed_and_not(live, target):
     spec = r.usage.model_extra["speculative"]
     assert spec["enabled"] and spec["drafter"] == "ngram" and spec["accepted_tokens"] <= spec["drafted_tokens"]
 
-    chunks = list(client.completions.create(model="tiny", prompt="abc abc abc", max_tokens=40, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="abc abc abc",
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
     assert chunks[-2].choices[0].finish_reason == ref.finish_reason
     assert chunks[-2].model_extra["speculative"]["verification_steps"] >= 1  # per-request stats on the final chunk
 
     cref = alone(target, "say abc", 30, chat=True)
-    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "say abc"}],
-                                       max_tokens=30, temperature=0)
+    c = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "say abc"}], max_tokens=30, temperature=0
+    )
     assert c.choices[0].message.content == cref.text and c.choices[0].message.role == "assistant"
     assert c.usage.prompt_tokens == cref.stats.prompt_tokens and c.usage.completion_tokens == len(cref.token_ids)
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "say abc"}],
-                                            max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "say abc"}],
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts = list(stream)
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == cref.text
@@ -139,8 +169,10 @@ def test_openai_client_completions_and_chat_streamed_and_not(live, target):
 
 # --- batching ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("speculative", [None, {"enabled": False}, {"enabled": True, "k": 3},
-                                         {"enabled": True, "k": "auto"}])
+
+@pytest.mark.parametrize(
+    "speculative", [None, {"enabled": False}, {"enabled": True, "k": 3}, {"enabled": True, "k": "auto"}]
+)
 def test_concurrent_greedy_requests_equal_their_outputs_alone(live, target, speculative):
     lengths = [5, 60, 17, 90, 33, 8, 120, 41]
     refs = [alone(target, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
@@ -163,14 +195,33 @@ def test_mid_flight_arrivals_join_the_running_batch(target):
     engine.delay = 0.01
     with serving(engine) as live:
         seen = []
-        with httpx.stream("POST", live.url + "/v1/completions", json={
-                "model": "tiny", "prompt": "abc abc", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-                "stream": True}, timeout=60) as first:
+        with httpx.stream(
+            "POST",
+            live.url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "abc abc",
+                "max_tokens": 150,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+            timeout=60,
+        ) as first:
             lines = first.iter_lines()
             next(line for line in lines if line.startswith("data:"))  # the first request is running
-            late = [threading.Thread(target=lambda p=p: seen.append(httpx.post(
-                live.url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 20,
-                                                    "temperature": 0}, timeout=60).json())) for p in PROMPTS[:3]]
+            late = [
+                threading.Thread(
+                    target=lambda p=p: seen.append(
+                        httpx.post(
+                            live.url + "/v1/completions",
+                            json={"model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0},
+                            timeout=60,
+                        ).json()
+                    )
+                )
+                for p in PROMPTS[:3]
+            ]
             for t in late:
                 t.start()
             running = 0.0
@@ -187,6 +238,7 @@ def test_mid_flight_arrivals_join_the_running_batch(target):
 
 # --- the load policy ---------------------------------------------------------------------------------------------
 
+
 def test_policy_hysteresis():
     p = Policy("auto", high=4, low=2)
     assert [p.update(n) for n in (1, 4, 5, 4, 3, 2, 1, 5)] == [True, True, False, False, False, True, True, False]
@@ -199,10 +251,19 @@ def test_auto_policy_stops_drafting_under_a_burst_and_resumes_after(target, high
     engine = SlowEngine(target, drafter="int8", k=3, max_batch=8)  # int8 always proposes k tokens: it drafts at
     engine.delay = 0.005  # every step the policy allows (the last step of a request may have no room to)
     with serving(engine, policy=Policy("auto", high=high, low=low)) as live:
+
         def ask(_):
-            return httpx.post(live.url + "/v1/completions", json={
-                "model": "tiny", "prompt": "abc abc abc abc", "max_tokens": 60, "temperature": 0,
-                "ignore_eos": True}, timeout=60).json()
+            return httpx.post(
+                live.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "abc abc abc abc",
+                    "max_tokens": 60,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=60,
+            ).json()
 
         with ThreadPoolExecutor(6) as pool:
             burst = list(pool.map(ask, range(6)))
@@ -224,25 +285,42 @@ def test_auto_policy_stops_drafting_under_a_burst_and_resumes_after(target, high
 BAD = [
     # (path, raw body or json, headers, status, param or None, words in the message)
     ("/v1/completions", b'{"model": "tiny", "prompt": ', {}, 400, None, "not valid JSON"),
-    ("/v1/completions", b'[1, 2]', {}, 400, None, "dictionary"),
+    ("/v1/completions", b"[1, 2]", {}, 400, None, "dictionary"),
     ("/v1/completions", {"model": "tiny", "prompt": 5}, {}, 400, "prompt", "string"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": "many"}, {}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"model": "tiny"}, {}, 400, "prompt", "missing"),
     ("/v1/chat/completions", {"model": "tiny"}, {}, 400, "messages", "missing"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, {}, 400, "messages.0.content",
-     "missing"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, {}, 400,
-     "messages.0.role", "user"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user"}]},
+        {},
+        400,
+        "messages.0.content",
+        "missing",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+        {},
+        400,
+        "messages.0.role",
+        "user",
+    ),
     ("/v1/completions", {"model": "gpt-9", "prompt": "a"}, {}, 404, "model", "does not exist"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, {}, 400, "max_tokens", "greater"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 100000}, {}, 400, "max_tokens", "context"),
     ("/v1/completions", {"model": "tiny", "prompt": "a" * 600, "max_tokens": 1}, {}, 400, "max_tokens", "context"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -0.5}, {}, 400, "temperature", "greater"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, {}, 400, None, "n must be 1"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "speculative": {"drafter": "eagle"}}, {}, 400,
-     "speculative", "unknown drafter 'eagle'"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "speculative": {"k": 99}}, {}, 400, "speculative.k",
-     "16"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a", "speculative": {"drafter": "eagle"}},
+        {},
+        400,
+        "speculative",
+        "unknown drafter 'eagle'",
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "speculative": {"k": 99}}, {}, 400, "speculative.k", "16"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "colour": "red"}, {}, 400, "colour", "unrecognized"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, {}, 400, "prompt", "one prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["", "x"]}, {}, 400, "stop", "non-empty"),
@@ -253,8 +331,11 @@ BAD = [
 
 @pytest.mark.parametrize("path, body, headers, status, param, words", BAD)
 def test_bad_requests_get_a_4xx_in_openai_error_shape(live, path, body, headers, status, param, words):
-    kw = {"content": body, "headers": {"content-type": "application/json", **headers}} if isinstance(
-        body, bytes) else {"json": body, "headers": headers}
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json", **headers}}
+        if isinstance(body, bytes)
+        else {"json": body, "headers": headers}
+    )
     r = httpx.post(live.url + path, timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -268,32 +349,46 @@ def test_bad_requests_get_a_4xx_in_openai_error_shape(live, path, body, headers,
 def test_oversized_body_and_api_key(target):
     with serving(Engine(target, max_batch=2), api_key="sesame", max_body=2048) as live:
         good = {"Authorization": "Bearer sesame"}
-        r = httpx.post(live.url + "/v1/completions", headers=good, json={"model": "tiny", "prompt": "a",
-                                                                         "speculative": {"k": 2}})
+        r = httpx.post(
+            live.url + "/v1/completions", headers=good, json={"model": "tiny", "prompt": "a", "speculative": {"k": 2}}
+        )
         assert r.status_code == 400 and "no drafter" in r.json()["error"]["message"]
-        for headers, status, code in (({}, 401, "invalid_api_key"),
-                                      ({"Authorization": "Bearer wrong"}, 401, "invalid_api_key")):
+        for headers, status, code in (
+            ({}, 401, "invalid_api_key"),
+            ({"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+        ):
             r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "a"}, headers=headers)
             assert r.status_code == status and r.json()["error"]["code"] == code
             assert "key" in r.json()["error"]["message"]
         big = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "a" * 5000}, headers=good)
         assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
         assert httpx.get(live.url + "/health").status_code == 200  # open without a key
-        ok = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3},
-                        headers=good)
+        ok = httpx.post(
+            live.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3}, headers=good
+        )
         assert ok.status_code == 200
 
 
 # --- overload and disconnects ----------------------------------------------------------------------------------------
 
+
 def test_overload_gets_429_and_every_accepted_request_completes_once(target):
     engine = SlowEngine(target, max_batch=1)
     engine.delay = 0.01
     with serving(engine, max_queue=2) as live:
+
         def ask(i):
-            return httpx.post(live.url + "/v1/completions", json={
-                "model": "tiny", "prompt": PROMPTS[i % 8], "max_tokens": 20, "temperature": 0, "ignore_eos": True},
-                timeout=120)
+            return httpx.post(
+                live.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": PROMPTS[i % 8],
+                    "max_tokens": 20,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=120,
+            )
 
         with ThreadPoolExecutor(12) as pool:
             out = list(pool.map(ask, range(12)))
@@ -313,9 +408,12 @@ def test_client_disconnect_mid_stream_frees_the_slot(target):
     engine = SlowEngine(target, max_batch=2)
     engine.delay = 0.02
     with serving(engine) as live:
-        with httpx.stream("POST", live.url + "/v1/completions", json={
-                "model": "tiny", "prompt": "abc", "max_tokens": 400, "ignore_eos": True, "stream": True},
-                timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            live.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "abc", "max_tokens": 400, "ignore_eos": True, "stream": True},
+            timeout=60,
+        ) as r:
             lines = r.iter_lines()
             for _ in range(3):
                 next(line for line in lines if line.startswith("data:"))
@@ -331,15 +429,25 @@ def test_client_disconnect_mid_stream_frees_the_slot(target):
 
 # --- fuzzing -------------------------------------------------------------------------------------------------------
 
-ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20)
-                        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-                        max_leaves=6)
+ANY_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**20), 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+    max_leaves=6,
+)
 FIELDS = {
     "model": st.sampled_from(["tiny", "other"]) | ANY_JSON,
     "prompt": st.text(max_size=40) | ANY_JSON,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
-                                                "content": st.text(max_size=30) | ANY_JSON}), max_size=3) | ANY_JSON,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": st.text(max_size=30) | ANY_JSON}
+        ),
+        max_size=3,
+    )
+    | ANY_JSON,
     "max_tokens": st.integers(-5, 40) | st.integers(10**3, 10**12) | ANY_JSON,
     "temperature": st.floats(-1, 3) | ANY_JSON,
     "top_p": st.floats(-1, 2) | ANY_JSON,
@@ -348,16 +456,25 @@ FIELDS = {
     "seed": st.integers(-10, 2**64) | ANY_JSON,
     "stream": st.booleans() | ANY_JSON,
     "n": st.integers(-1, 3) | ANY_JSON,
-    "speculative": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "drafter": st.sampled_from(
-        ["ngram", "int8", "zzz"]), "k": st.integers(-2, 20) | st.just("auto")}) | ANY_JSON,
+    "speculative": st.fixed_dictionaries(
+        {},
+        optional={
+            "enabled": st.booleans(),
+            "drafter": st.sampled_from(["ngram", "int8", "zzz"]),
+            "k": st.integers(-2, 20) | st.just("auto"),
+        },
+    )
+    | ANY_JSON,
     "stream_options": ANY_JSON,
     "ignore_eos": ANY_JSON,
 }
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       body=st.fixed_dictionaries({}, optional=FIELDS) | ANY_JSON)
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    body=st.fixed_dictionaries({}, optional=FIELDS) | ANY_JSON,
+)
 def test_fuzzed_request_bodies_never_get_a_5xx(live, path, body):
     r = httpx.post(live.url + path, json=body, timeout=60)
     assert r.status_code < 500, (body, r.text)
@@ -366,12 +483,20 @@ def test_fuzzed_request_bodies_never_get_a_5xx(live, path, body):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(raw=st.binary(max_size=64) | st.sampled_from([b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
-                                                     b'{"model": "tiny", "prompt": "a", "top_p": Infinity}',
-                                                     b'{"model": "tiny", "prompt": "a"', b"\xff\xfe", b"null"]))
+@given(
+    raw=st.binary(max_size=64)
+    | st.sampled_from(
+        [
+            b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+            b'{"model": "tiny", "prompt": "a", "top_p": Infinity}',
+            b'{"model": "tiny", "prompt": "a"',
+            b"\xff\xfe",
+            b"null",
+        ]
+    )
+)
 def test_fuzzed_raw_bodies_never_get_a_5xx(live, raw):
-    r = httpx.post(live.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(live.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, (raw, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -383,15 +508,24 @@ def test_openapi_document_lists_the_routes(live):
 
 
 def test_metrics_use_vllm_names(live):
-    httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "abc abc abc", "max_tokens": 30,
-                                                   "temperature": 0, "speculative": {"k": 4}}, timeout=30)
+    httpx.post(
+        live.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "abc abc abc", "max_tokens": 30, "temperature": 0, "speculative": {"k": 4}},
+        timeout=30,
+    )
     text = live.metrics()
     c = parse_spec_counters(text)
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] >= c["num_accepted_tokens"]
     assert sum(c["accepted_per_pos"].values()) == c["num_accepted_tokens"]
-    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_requests_waiting", "vllm:num_requests_running",
-                 "process_resident_memory_bytes", "python_info"):  # the last two: the library's standard metrics
+    for name in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "process_resident_memory_bytes",
+        "python_info",
+    ):  # the last two: the library's standard metrics
         assert name in text
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -402,6 +536,7 @@ def test_metrics_use_vllm_names(live):
 
 
 # --- the harness's HTTP backend ----------------------------------------------------------------------------------
+
 
 def workload_file(tmp_path):
     lines = ["tasks:"]
@@ -419,8 +554,20 @@ def http_run(live, tmp_path_factory):
     from test_evaluate import cli
 
     tmp_path = tmp_path_factory.mktemp("http")
-    cli("evaluate", "--endpoint", live.url, "--model", "tiny", "--workload", workload_file(tmp_path),
-        "--concurrency", "1,2", "--out", tmp_path / "out", "--no-progress")
+    cli(
+        "evaluate",
+        "--endpoint",
+        live.url,
+        "--model",
+        "tiny",
+        "--workload",
+        workload_file(tmp_path),
+        "--concurrency",
+        "1,2",
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    )
     return tmp_path / "out" / "run.db"
 
 
@@ -432,13 +579,15 @@ def test_evaluate_endpoint_measures_a_live_server(live, http_run):
     assert len(recs) == 4 * 2 * 2 and all(r.error is None for r in recs)
     assert all(r.ttft is not None and r.ttft <= r.e2e and r.output_tokens > 0 for r in recs)
     spec = [r for r in recs if r.config != "baseline"]
-    assert sum(r.spec["drafted"] for r in spec) > 0 and all(r.spec.get("drafted", 0) == 0 for r in recs
-                                                            if r.config == "baseline")
+    assert sum(r.spec["drafted"] for r in spec) > 0 and all(
+        r.spec.get("drafted", 0) == 0 for r in recs if r.config == "baseline"
+    )
     assert all(c.mismatches == [] for c in run.analysis.comparisons)  # greedy: same text both ways
     assert run.provenance["target"]["sha256"] == live.state.info["target"]["sha256"]
     counters = run.server_counters
     assert counters["ngram k=auto|concurrent@1"][0]["num_draft_tokens"] == sum(
-        r.spec["drafted"] for r in spec if r.load == "concurrent@1")
+        r.spec["drafted"] for r in spec if r.load == "concurrent@1"
+    )
     assert counters["baseline|concurrent@1"][0]["num_draft_tokens"] == 0
 
 
@@ -451,9 +600,22 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
 
     port = free_port()
     serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny"
-    proc = cli("evaluate", "--endpoint", f"http://127.0.0.1:{port}", "--workload", workload_file(tmp_path),
-               "--launch", f"{serve} --policy never", "--launch", f"{serve} --drafter ngram --k 3",
-               "--concurrency", "2", "--out", tmp_path / "out", "--no-progress")
+    proc = cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload_file(tmp_path),
+        "--launch",
+        f"{serve} --policy never",
+        "--launch",
+        f"{serve} --drafter ngram --k 3",
+        "--concurrency",
+        "2",
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    )
     run = load_run(tmp_path / "out" / "run.db")
     assert run.analysis.configs == ["baseline", "speculative"] and len(run.records) == 8
     assert all(r.error is None for r in run.records)
@@ -466,19 +628,26 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     assert "speculative" in proc.stdout
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--launch", "true"], "--launch needs --endpoint"),
-    (["--endpoint", "ftp://x", "--launch", "a", "--launch", "b"], "not an http(s) URL"),
-    (["--endpoint", "http://127.0.0.1:9", "--launch", "only-one"], "one command per configuration"),
-    (["--endpoint", "http://127.0.0.1:9"], "cannot reach"),
-    (["--endpoint", "http://127.0.0.1:9", "--launch", "/nonexistent/server", "--launch", "b"], "cannot start"),
-    (["--endpoint", "http://127.0.0.1:9", "--launch", "false", "--launch", "false"], "exited before it was healthy"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--launch", "true"], "--launch needs --endpoint"),
+        (["--endpoint", "ftp://x", "--launch", "a", "--launch", "b"], "not an http(s) URL"),
+        (["--endpoint", "http://127.0.0.1:9", "--launch", "only-one"], "one command per configuration"),
+        (["--endpoint", "http://127.0.0.1:9"], "cannot reach"),
+        (["--endpoint", "http://127.0.0.1:9", "--launch", "/nonexistent/server", "--launch", "b"], "cannot start"),
+        (
+            ["--endpoint", "http://127.0.0.1:9", "--launch", "false", "--launch", "false"],
+            "exited before it was healthy",
+        ),
+    ],
+)
 def test_bad_endpoint_and_launch_input(tmp_path, args, needle):
     from test_evaluate import cli
 
-    proc = cli("evaluate", *args, "--workload", workload_file(tmp_path), "--out", tmp_path / "o", "--no-progress",
-               check=False)
+    proc = cli(
+        "evaluate", *args, "--workload", workload_file(tmp_path), "--out", tmp_path / "o", "--no-progress", check=False
+    )
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
 
 
@@ -488,8 +657,7 @@ def test_policy_from_a_verdict():
     assert policy_from_verdict(Verdict("reject"), [1, 4]) == ("never", None)
     assert policy_from_verdict(Verdict("adopt"), [1, 4, 8]) == ("auto", 8)
     assert policy_from_verdict(Verdict("conditional", 4.0), [1, 4, 8]) == ("auto", 4)
-    assert policy_from_verdict(Verdict("conditional", 8.0, everywhere=True), [1, 8]) == (
-        "auto", 8)
+    assert policy_from_verdict(Verdict("conditional", 8.0, everywhere=True), [1, 8]) == ("auto", 8)
 
 
 def test_policy_from_a_run_reads_the_stored_verdicts_without_analysing(http_run, monkeypatch):
@@ -498,8 +666,10 @@ def test_policy_from_a_run_reads_the_stored_verdicts_without_analysing(http_run,
     from specwise.harness.verdict import policy_from_verdict
 
     stored = read_run(http_run).stored_verdicts
-    assert stored["ngram k=auto"]["concurrent"] == analyze.load_run(http_run).analysis.verdicts["ngram k=auto"][
-        "concurrent"]  # what evaluate stored is what the analysis finds
+    assert (
+        stored["ngram k=auto"]["concurrent"]
+        == analyze.load_run(http_run).analysis.verdicts["ngram k=auto"]["concurrent"]
+    )  # what evaluate stored is what the analysis finds
 
     def no_analysis(run):
         raise AssertionError("analysed again")
@@ -521,9 +691,24 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
     mode, high, why = policy_from_run(str(http_run))
     assert (mode, high) == expected and "ngram k=auto" in why
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specwise.cli", "serve", "--model", str(tiny_dir), "--port",
-                             str(port), "--drafter", "ngram", "--policy-from", str(http_run)],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "serve",
+            "--model",
+            str(tiny_dir),
+            "--port",
+            str(port),
+            "--drafter",
+            "ngram",
+            "--policy-from",
+            str(http_run),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -538,15 +723,18 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
         proc.wait(10)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--policy-threshold", "x"], "--policy-threshold 'x' is not allowed"),
-    (["--policy", "auto", "--policy-threshold", "2:5"], "low threshold 5 is not allowed"),
-    (["--port", "70000"], "--port 70000"),
-    (["--max-queue", "0"], "must be ≥ 1"),
-    (["--policy-from", "/nonexistent/run.db"], "/nonexistent/run.db"),
-    (["--drafter", "magic"], "magic"),
-    (["--api-key", " "], "--api-key is empty"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--policy-threshold", "x"], "--policy-threshold 'x' is not allowed"),
+        (["--policy", "auto", "--policy-threshold", "2:5"], "low threshold 5 is not allowed"),
+        (["--port", "70000"], "--port 70000"),
+        (["--max-queue", "0"], "must be ≥ 1"),
+        (["--policy-from", "/nonexistent/run.db"], "/nonexistent/run.db"),
+        (["--drafter", "magic"], "magic"),
+        (["--api-key", " "], "--api-key is empty"),
+    ],
+)
 def test_bad_serve_flags(tiny_dir, args, needle):
     from test_evaluate import cli
 

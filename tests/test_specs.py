@@ -30,10 +30,18 @@ def test_drafter_grammar_accepts(spec):
     assert check_drafter_spec(spec) == spec
 
 
-@pytest.mark.parametrize("spec, needle", [("eagle", "unknown drafter 'eagle'"), ("ngram:x", "whole number"),
-                                          ("ngram:0", "whole number"), ("model:", "needs a path"),
-                                          ("int8:4", "no argument"), ("layerskip:", "layer spec"),
-                                          (3, "unknown drafter 3")])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("eagle", "unknown drafter 'eagle'"),
+        ("ngram:x", "whole number"),
+        ("ngram:0", "whole number"),
+        ("model:", "needs a path"),
+        ("int8:4", "no argument"),
+        ("layerskip:", "layer spec"),
+        (3, "unknown drafter 3"),
+    ],
+)
 def test_drafter_grammar_refuses(spec, needle):
     with pytest.raises(SpecwiseError, match=needle) as e:
         check_drafter_spec(spec)

@@ -6,8 +6,9 @@ from specwise.errors import SpecwiseError
 from specwise.harness.validate import check_validator, run_validators
 from specwise.harness.workload import builtin_workload
 
-NOTES = ("2.4.1\n- Fixed a crash on the login page when the password field is empty.\n"
-         "- Fixed a typo in the welcome email.")
+NOTES = (
+    "2.4.1\n- Fixed a crash on the login page when the password field is empty.\n- Fixed a typo in the welcome email."
+)
 GOOD_DRAFT = """## Release 2.4.1
 ### Summary
 This release fixes two bugs.
@@ -54,30 +55,36 @@ def test_missing_heading_fails():
     assert not verdicts(GOOD_DRAFT.replace("### Summary", "Summary:"))["headings"]
 
 
-@pytest.mark.parametrize("spec, text, passed", [
-    ({"type": "regex", "pattern": r"^## Release"}, "## Release 1", True),
-    ({"type": "regex", "pattern": r"TODO", "must_match": False}, "all done", True),
-    ({"type": "regex", "pattern": r"TODO", "must_match": False}, "TODO: fix", False),
-    ({"type": "length", "max": 3}, "one two three four", False),
-    ({"type": "length", "min": 2, "unit": "chars"}, "ok", True),
-    ({"type": "json_schema", "schema": {"type": "object", "required": ["a"]}}, '{"a": 1}', True),
-    ({"type": "json_schema", "schema": {"type": "object", "required": ["a"]}}, '{"b": 1}', False),
-    ({"type": "json_schema", "schema": {"type": "object"}}, "not json", False),
-])
+@pytest.mark.parametrize(
+    "spec, text, passed",
+    [
+        ({"type": "regex", "pattern": r"^## Release"}, "## Release 1", True),
+        ({"type": "regex", "pattern": r"TODO", "must_match": False}, "all done", True),
+        ({"type": "regex", "pattern": r"TODO", "must_match": False}, "TODO: fix", False),
+        ({"type": "length", "max": 3}, "one two three four", False),
+        ({"type": "length", "min": 2, "unit": "chars"}, "ok", True),
+        ({"type": "json_schema", "schema": {"type": "object", "required": ["a"]}}, '{"a": 1}', True),
+        ({"type": "json_schema", "schema": {"type": "object", "required": ["a"]}}, '{"b": 1}', False),
+        ({"type": "json_schema", "schema": {"type": "object"}}, "not json", False),
+    ],
+)
 def test_generic_validators(spec, text, passed):
     check_validator(spec, "test")
     assert run_validators(text, [spec])[0].passed is passed
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ({"type": "spellcheck"}, "unknown validator 'spellcheck'"),
-    ({"type": "regex"}, "needs parameter(s) ['pattern']"),
-    ({"type": "regex", "pattern": "("}, "does not compile"),
-    ({"type": "length", "max": "ten"}, "must be a int"),
-    ({"type": "length", "unit": "pages"}, "unit must be"),
-    ({"type": "headings", "required": ["x"], "strict": True}, "unknown parameter(s) ['strict']"),
-    ("regex", "mapping with a 'type'"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({"type": "spellcheck"}, "unknown validator 'spellcheck'"),
+        ({"type": "regex"}, "needs parameter(s) ['pattern']"),
+        ({"type": "regex", "pattern": "("}, "does not compile"),
+        ({"type": "length", "max": "ten"}, "must be a int"),
+        ({"type": "length", "unit": "pages"}, "unit must be"),
+        ({"type": "headings", "required": ["x"], "strict": True}, "unknown parameter(s) ['strict']"),
+        ("regex", "mapping with a 'type'"),
+    ],
+)
 def test_bad_validator_specs_are_refused(spec, needle):
     with pytest.raises(SpecwiseError) as err:
         check_validator(spec, "w.yaml: tasks[0]")

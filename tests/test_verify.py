@@ -66,8 +66,9 @@ def test_rejection_with_draft_probs_uses_residual_p_minus_q():
 def test_rejection_acceptance_probability_is_p_over_q():
     target = torch.tensor([[0.3, 0.7, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
     draft_probs = torch.tensor([[0.6, 0.4, 0, 0, 0, 0]])  # p/q for token 0 = 0.5
-    accepted = sum(rejection_verify([0], draft_probs, target, torch.Generator().manual_seed(s)).accepted
-                   for s in range(4000))
+    accepted = sum(
+        rejection_verify([0], draft_probs, target, torch.Generator().manual_seed(s)).accepted for s in range(4000)
+    )
     assert accepted / 4000 == pytest.approx(0.5, abs=0.03)
 
 

@@ -40,21 +40,24 @@ def test_jsonl_workload_loads(tmp_path):
     assert w.name == "tasks" and len(w.tasks) == 3
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("tasks: []", "'tasks' must be a non-empty list"),
-    ("tasks:\n  - {prompt: hi, max_tokens: 3}", "tasks[0]: field 'id' is missing"),
-    ("tasks:\n  - {id: a, max_tokens: 3}", "tasks[0] ('a'): give exactly one of 'prompt'"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: ten}", "'max_tokens' must be a whole number ≥ 1, got 'ten'"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 0}", "got 0"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, groups: x}", "'groups' must be a list"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, validators: [{type: magic}]}", "unknown validator 'magic'"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, colour: red}", "unknown field(s) ['colour']"),
-    ("tasks:\n  - {id: a, messages: [{role: robot, content: x}], max_tokens: 3}", "role: system|user|assistant"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\n  - {id: a, prompt: yo, max_tokens: 3}", "repeated: ['a']"),
-    ("tasks: [", "not valid YAML"),
-    ("- 1\n- 2", "top level must be a mapping"),
-    ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\nextra: 1", "unknown top-level field(s) ['extra']"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("tasks: []", "'tasks' must be a non-empty list"),
+        ("tasks:\n  - {prompt: hi, max_tokens: 3}", "tasks[0]: field 'id' is missing"),
+        ("tasks:\n  - {id: a, max_tokens: 3}", "tasks[0] ('a'): give exactly one of 'prompt'"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: ten}", "'max_tokens' must be a whole number ≥ 1, got 'ten'"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 0}", "got 0"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, groups: x}", "'groups' must be a list"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, validators: [{type: magic}]}", "unknown validator 'magic'"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3, colour: red}", "unknown field(s) ['colour']"),
+        ("tasks:\n  - {id: a, messages: [{role: robot, content: x}], max_tokens: 3}", "role: system|user|assistant"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\n  - {id: a, prompt: yo, max_tokens: 3}", "repeated: ['a']"),
+        ("tasks: [", "not valid YAML"),
+        ("- 1\n- 2", "top level must be a mapping"),
+        ("tasks:\n  - {id: a, prompt: hi, max_tokens: 3}\nextra: 1", "unknown top-level field(s) ['extra']"),
+    ],
+)
 def test_bad_workloads_are_refused_with_the_place(tmp_path, text, needle):
     path = write(tmp_path, text)
     with pytest.raises(SpecwiseError) as err:

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     from specwise.engine import GenerationResult
 from specwise.specs import DTYPES, K_MAX, QUANTIZE, parse_k
 
-DTYPE_HELP = ("weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
-              "Hugging Face weights), bfloat16, float32 (the reference); float16 on CUDA only")
+DTYPE_HELP = (
+    "weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
+    "Hugging Face weights), bfloat16, float32 (the reference); float16 on CUDA only"
+)
 QUANTIZE_HELP = "quantise Hugging Face weights per group of 32: int4 or int8 (a different target, with its own hash)"
 
 
@@ -57,48 +59,75 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("evaluate", help="measure baseline against speculative configurations and give a verdict")
     ev.add_argument("--workload", help="YAML/JSONL workload file (default: the built-in release-note workload)")
-    ev.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
-                                    "with --endpoint, the served model's name")
+    ev.add_argument(
+        "--model",
+        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
+        "with --endpoint, the served model's name",
+    )
     ev.add_argument("--config", help="YAML file with `configs: [{name, drafter, k}, …]` (the first is the baseline)")
-    ev.add_argument("--drafter", action="append", help="a speculative configuration's drafter (repeatable; default "
-                                                        "ngram)")
+    ev.add_argument(
+        "--drafter", action="append", help="a speculative configuration's drafter (repeatable; default ngram)"
+    )
     ev.add_argument("--k", type=_k, default="auto", help="draft length for --drafter configurations (default auto)")
     ev.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4 (default 1,4; --quick 1,2)")
     ev.add_argument("--rate", default=None, help="open-loop Poisson arrival rates in requests/s, e.g. 0.5,1")
-    ev.add_argument("--tasks", type=int, default=None, help="run a stratified subset of N tasks (default 12; "
-                                                          "--quick 4; 0 = all)")
+    ev.add_argument(
+        "--tasks", type=int, default=None, help="run a stratified subset of N tasks (default 12; --quick 4; 0 = all)"
+    )
     ev.add_argument("--repeats", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--max-tokens", type=int, default=None, help="cap every task's output limit")
     ev.add_argument("--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2")
-    ev.add_argument("--out", default="specwise-run", help="output directory: run.db and report.html (default "
-                                                         "./specwise-run)")
+    ev.add_argument(
+        "--out", default="specwise-run", help="output directory: run.db and report.html (default ./specwise-run)"
+    )
     ev.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     ev.add_argument("--device", default="cpu")
     _precision_flags(ev)
-    ev.add_argument("--endpoint", help="measure an OpenAI-compatible server at this URL instead of the in-process "
-                                       "engine (e.g. http://127.0.0.1:8000)")
-    ev.add_argument("--launch", action="append", help="with --endpoint: the command that starts one "
-                                                      "configuration's server (repeat: baseline first)")
-    ev.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a launched server's "
-                                                                        "/health (default 600)")
-    ev.add_argument("--api-key", default=os.environ.get("SPECWISE_API_KEY"),
-                    help="bearer token for --endpoint (default $SPECWISE_API_KEY)")
+    ev.add_argument(
+        "--endpoint",
+        help="measure an OpenAI-compatible server at this URL instead of the in-process "
+        "engine (e.g. http://127.0.0.1:8000)",
+    )
+    ev.add_argument(
+        "--launch",
+        action="append",
+        help="with --endpoint: the command that starts one configuration's server (repeat: baseline first)",
+    )
+    ev.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a launched server's /health (default 600)",
+    )
+    ev.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECWISE_API_KEY"),
+        help="bearer token for --endpoint (default $SPECWISE_API_KEY)",
+    )
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
     srv.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
-    srv.add_argument("--drafter", help="default drafter: ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: "
-                                       "none)")
+    srv.add_argument(
+        "--drafter", help="default drafter: ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: none)"
+    )
     srv.add_argument("--drafters", help="more drafters requests may choose, comma-separated (e.g. int8,ngram:2)")
     srv.add_argument("--k", type=_k, default="auto", help=f"default draft length 1..{K_MAX} or 'auto' (default auto)")
-    srv.add_argument("--policy", default="always", choices=["always", "never", "auto"],
-                     help="when steps draft: always, never, or auto (off under load; default always)")
-    srv.add_argument("--policy-threshold", default="4", help="auto: HIGH[:LOW] — drafting stops above HIGH "
-                                                             "running+waiting requests, resumes at LOW (default 4:2)")
+    srv.add_argument(
+        "--policy",
+        default="always",
+        choices=["always", "never", "auto"],
+        help="when steps draft: always, never, or auto (off under load; default always)",
+    )
+    srv.add_argument(
+        "--policy-threshold",
+        default="4",
+        help="auto: HIGH[:LOW] — drafting stops above HIGH running+waiting requests, resumes at LOW (default 4:2)",
+    )
     srv.add_argument("--policy-from", help="take the auto policy's threshold from an evaluation run (run.db)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=8000)
@@ -106,16 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
     srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
-    srv.add_argument("--prefill-chunk", type=int, default=128,
-                     help="prompt tokens a step takes while other requests decode (default 128): smaller keeps "
-                          "streams smoother when requests arrive, larger gives a lower time to first token")
+    srv.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=128,
+        help="prompt tokens a step takes while other requests decode (default 128): smaller keeps "
+        "streams smoother when requests arrive, larger gives a lower time to first token",
+    )
     srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     srv.add_argument("--device", default="cpu")
     _precision_flags(srv)
     srv.add_argument("--log", help="append one record per finished request to this SQLite request log")
     srv.add_argument("--log-text", action="store_true", help="also log prompt and output text (off by default)")
-    srv.add_argument("--drift-baseline", help="an evaluation run (run.db): export specwise_acceptance_rate and "
-                                              "specwise_drift_alert gauges on /metrics")
+    srv.add_argument(
+        "--drift-baseline",
+        help="an evaluation run (run.db): export specwise_acceptance_rate and specwise_drift_alert gauges on /metrics",
+    )
     srv.add_argument("--drift-window", default="1h", help="window of recent requests the gauges compare (default 1h)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
@@ -127,13 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--csv", dest="csv_path", help="also export one row per request as CSV to this path")
     rep.set_defaults(func=cmd_report)
 
-    mon = sub.add_parser("monitor", help="compare live traffic (the server's request log) with the evaluation run "
-                                         "that justified speculation; exit 1 on drift")
+    mon = sub.add_parser(
+        "monitor",
+        help="compare live traffic (the server's request log) with the evaluation run "
+        "that justified speculation; exit 1 on drift",
+    )
     mon.add_argument("--baseline", required=True, help="the evaluation run (run.db)")
     mon.add_argument("--log", required=True, help="the request log written by `specwise serve --log`")
     mon.add_argument("--window", default="1h", help="recent window to judge: 30m, 1h, 2d, … or 'all' (default 1h)")
-    mon.add_argument("--alpha", type=float, default=0.01, help="false-alarm level of the distribution tests "
-                                                              "(default 0.01)")
+    mon.add_argument(
+        "--alpha", type=float, default=0.01, help="false-alarm level of the distribution tests (default 0.01)"
+    )
     mon.add_argument("--watch", action="store_true", help="refresh the table in the terminal until interrupted")
     mon.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes with --watch")
     mon.set_defaults(func=cmd_monitor)
@@ -148,8 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specwise.engine import Engine, SamplingParams, load_target
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     if not args.prompt.strip():
         raise SpecwiseError("the prompt is empty: give at least one character of text")
     target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)

@@ -26,8 +26,9 @@ class SpecCounts:
     drafting_time: float = 0.0  # seconds
     verification_time: float = 0.0
 
-    def observe_step(self, drafted: int, accepted: int, drafting_time: float = 0.0,
-                     verification_time: float = 0.0) -> None:
+    def observe_step(
+        self, drafted: int, accepted: int, drafting_time: float = 0.0, verification_time: float = 0.0
+    ) -> None:
         """One verification step that was given `drafted` tokens and kept `accepted` of them."""
         self.steps += 1
         self.drafted += drafted
@@ -112,21 +113,32 @@ class SpecCounts:
 
     def to_usage(self) -> dict:
         """`usage.speculative` as `specwise serve` returns it (with the derived rates)."""
-        return {"verification_steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "rejections": self.rejections, "acceptance_rate": self.acceptance_rate,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "drafted_per_position": list(self.drafted_per_position),
-                "accepted_per_position": list(self.accepted_per_position), "drafting_time": self.drafting_time,
-                "verification_time": self.verification_time}
+        return {
+            "verification_steps": self.steps,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "rejections": self.rejections,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafting_time": self.drafting_time,
+            "verification_time": self.verification_time,
+        }
 
     @classmethod
     def from_usage(cls, u: dict | None) -> SpecCounts:
         u = u or {}
-        return cls(steps=u.get("verification_steps") or 0, drafted=u.get("drafted_tokens") or 0,
-                   accepted=u.get("accepted_tokens") or 0, rejections=u.get("rejections") or 0,
-                   drafted_per_position=list(u.get("drafted_per_position") or []),
-                   accepted_per_position=list(u.get("accepted_per_position") or []),
-                   drafting_time=u.get("drafting_time") or 0.0, verification_time=u.get("verification_time") or 0.0)
+        return cls(
+            steps=u.get("verification_steps") or 0,
+            drafted=u.get("drafted_tokens") or 0,
+            accepted=u.get("accepted_tokens") or 0,
+            rejections=u.get("rejections") or 0,
+            drafted_per_position=list(u.get("drafted_per_position") or []),
+            accepted_per_position=list(u.get("accepted_per_position") or []),
+            drafting_time=u.get("drafting_time") or 0.0,
+            verification_time=u.get("verification_time") or 0.0,
+        )
 
 
 def _add_positions(into: list[int], more: list[int]) -> None:

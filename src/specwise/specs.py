@@ -24,8 +24,7 @@ def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= k_max:
-        raise SpecwiseError(f"k={value!r} is not allowed: give a draft length from 1 to {k_max}, or 'auto'",
-                            param="k")
+        raise SpecwiseError(f"k={value!r} is not allowed: give a draft length from 1 to {k_max}, or 'auto'", param="k")
     return value
 
 
@@ -39,12 +38,19 @@ def check_k_max(k_max: object) -> int:
 def check_drafter_spec(spec: object) -> str:
     """A drafter spec's grammar (what it names is checked where the drafter is built: the file, the layers)."""
     kind, sep, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    ok = (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1))) or \
-         (kind == "model" and bool(arg.strip())) or (kind == "int8" and not sep) or \
-         (kind == "layerskip" and bool(arg.strip()))
+    ok = (
+        (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
+        or (kind == "model" and bool(arg.strip()))
+        or (kind == "int8" and not sep)
+        or (kind == "layerskip" and bool(arg.strip()))
+    )
     if not ok:
-        hint = {"ngram": "ngram:N takes a whole number N ≥ 1", "model": "model:PATH needs a path",
-                "int8": "int8 takes no argument", "layerskip": "layerskip:SPEC needs a layer spec"}.get(kind)
+        hint = {
+            "ngram": "ngram:N takes a whole number N ≥ 1",
+            "model": "model:PATH needs a path",
+            "int8": "int8 takes no argument",
+            "layerskip": "layerskip:SPEC needs a layer spec",
+        }.get(kind)
         what = f"drafter {spec!r} is not allowed: {hint}" if hint else f"unknown drafter {spec!r}"
         raise SpecwiseError(f"{what} (allowed: {DRAFTER_HELP})", param="drafter")
     return str(spec)

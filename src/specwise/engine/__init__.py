@@ -13,7 +13,8 @@ except ImportError:
         "this command runs the engine, which needs PyTorch and the engine's other packages; this install has only "
         "the harness. Install them with: pip install 'specwise[engine]' (for the CPU build of torch add "
         "--extra-index-url https://download.pytorch.org/whl/cpu). The harness alone can evaluate a server: "
-        "specwise evaluate --endpoint URL") from None
+        "specwise evaluate --endpoint URL"
+    ) from None
 
 from specwise.engine.engine import Engine, GenerationResult, StreamEvent
 from specwise.engine.sampling import SamplingParams

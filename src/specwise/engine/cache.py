@@ -38,8 +38,15 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write(self, layer: int, rows: slice | torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, start: int | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        rows: slice | torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int | None = None,
+    ) -> None:
         """Store k, v (B, T, Hkv, D) for the batch's rows at positions (B, T); `start` when every row's positions
         are start, start+1, … (then the write is a slice copy)."""
         if isinstance(rows, slice) and start is not None:
@@ -84,15 +91,20 @@ class CausalLM(Protocol):
         """The weights' precision as run (e.g. "float32", "native (q4, q8)")."""
         ...
 
-    def num_parameters(self) -> int:
-        ...
+    def num_parameters(self) -> int: ...
 
     def new_cache(self, num_slots: int, max_len: int) -> Any:
         """A cache of `num_slots` sequences of up to `max_len` positions."""
         ...
 
-    def forward_tokens(self, cache: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_tokens(
+        self,
+        cache: Any,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Tokens (M,) at positions (M,) in cache slots (M,) → logits of the rows `out_rows` (all when None)."""
         ...
 

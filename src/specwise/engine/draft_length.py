@@ -46,8 +46,9 @@ class CostModel:
         if not self.passes:
             return None
         if tokens not in self._curve:
-            self._curve[tokens] = max(_interpolate(self.passes, tokens),
-                                      *(v for m, v in self.passes.items() if m <= tokens))
+            self._curve[tokens] = max(
+                _interpolate(self.passes, tokens), *(v for m, v in self.passes.items() if m <= tokens)
+            )
         return self._curve[tokens]
 
     def draft_cost(self, k: int, drafter: str | None = None) -> float | None:
@@ -90,9 +91,18 @@ class FixedK:
 class AdaptiveK:
     """Per-request k from the online acceptance estimate and the measured costs."""
 
-    def __init__(self, costs: CostModel, k_max: int = 8, start_k: int = 2, prior_alpha: float = 0.5,
-                 prior_weight: float = 1.0, decay: float = 0.9, probe_every: int = 8, max_probe_every: int = 64,
-                 drafter: str | None = None):
+    def __init__(
+        self,
+        costs: CostModel,
+        k_max: int = 8,
+        start_k: int = 2,
+        prior_alpha: float = 0.5,
+        prior_weight: float = 1.0,
+        decay: float = 0.9,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+        drafter: str | None = None,
+    ):
         self.costs, self.k_max, self.start_k, self.drafter = costs, k_max, start_k, drafter
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -151,8 +161,9 @@ def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: Cos
     longest: dict[str | None, int] = {}
     expected = float(tokens)
     while True:
-        best = max((i for i in range(len(rows)) if ks[i] < rows[i][1]), key=lambda i: rows[i][0] ** (ks[i] + 1),
-                   default=None)
+        best = max(
+            (i for i in range(len(rows)) if ks[i] < rows[i][1]), key=lambda i: rows[i][0] ** (ks[i] + 1), default=None
+        )
         if best is None:
             return ks
         alpha, _, drafter = rows[best]

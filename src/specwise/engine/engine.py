@@ -46,8 +46,14 @@ class GenerationResult:
     seed: int
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "seed": self.seed, "stats": self.stats.to_dict()}
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "stats": self.stats.to_dict(),
+        }
 
 
 @dataclass
@@ -90,19 +96,29 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
 
 class Engine:
     """Draft-and-verify generation on a loaded target; without a drafter it is the plain-decoding baseline."""
 
-    def __init__(self, target: LoadedModel, drafter: str | Drafter | None = None, k: int | str = 4,
-                 max_batch: int = 8, max_len: int | None = None, k_max: int = 8, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: str | Drafter | None = None,
+        k: int | str = 4,
+        max_batch: int = 8,
+        max_len: int | None = None,
+        k_max: int = 8,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecwiseError(f"max_batch={max_batch!r} is not allowed: it must be an integer ≥ 1")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise SpecwiseError(f"prefill_chunk={prefill_chunk!r} is not allowed: it must be an integer ≥ 1 (prompt "
-                                "tokens per pass while other requests decode)")
+            raise SpecwiseError(
+                f"prefill_chunk={prefill_chunk!r} is not allowed: it must be an integer ≥ 1 (prompt "
+                "tokens per pass while other requests decode)"
+            )
         self.prefill_chunk = prefill_chunk
         model_ctx = getattr(target.model, "max_len", None) or DEFAULT_MAX_LEN
         self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
@@ -146,21 +162,30 @@ class Engine:
         """Token ids of a plain prompt or of chat messages rendered with the model's chat template."""
         if isinstance(prompt, list):
             if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-                raise SpecwiseError("chat messages must be a non-empty list of {'role': ..., 'content': ...}",
-                                    param="prompt")
+                raise SpecwiseError(
+                    "chat messages must be a non-empty list of {'role': ..., 'content': ...}", param="prompt"
+                )
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if not isinstance(prompt, str) or not prompt:
-            raise SpecwiseError("the prompt is empty: give at least one character of text (or chat messages)",
-                                param="prompt")
+            raise SpecwiseError(
+                "the prompt is empty: give at least one character of text (or chat messages)", param="prompt"
+            )
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise SpecwiseError("the prompt encodes to no tokens: give some text", param="prompt")
         return ids
 
-    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                speculative: bool = True, drafter: str | None = None, k: int | str | None = None,
-                fill_context: bool = False) -> Sequence:
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: bool = True,
+        drafter: str | None = None,
+        k: int | str | None = None,
+        fill_context: bool = False,
+    ) -> Sequence:
         """Check and encode a request without queueing it (safe from another thread than the loop's).
 
         `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request;
@@ -174,23 +199,41 @@ class Engine:
             raise SpecwiseError(
                 f"the prompt is {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}: together they "
                 f"exceed the context of {self.max_len} tokens (shorten the prompt or lower max_new_tokens)",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if drafter is not None and drafter not in self.drafters:
             allowed = ", ".join(self.drafters) or "none (this engine has no drafter)"
             raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}", param="drafter")
         if speculative and (drafter is not None or k is not None) and not self.drafters:
-            raise SpecwiseError("speculation was asked for (a drafter or k), but this engine has no drafter: start it "
-                                "with one, or ask for plain decoding", param="drafter")
+            raise SpecwiseError(
+                "speculation was asked for (a drafter or k), but this engine has no drafter: start it "
+                "with one, or ask for plain decoding",
+                param="drafter",
+            )
         k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
         generator, seed = make_generator(params, self.device)
         name = drafter or (self.drafter.name if self.drafter is not None else None)
         use_spec = speculative and name is not None
         controller: AdaptiveK | FixedK | None = None
         if name is not None and use_spec:
-            controller = AdaptiveK(self.costs, self.k_max, drafter=name, prior_alpha=self.acceptance.get(name, 0.5)) \
-                if k_spec == "auto" else FixedK(int(k_spec))
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, len(ids), params, generator, seed, use_spec,
-                       controller, self._now(), drafter=name if use_spec else None)
+            controller = (
+                AdaptiveK(self.costs, self.k_max, drafter=name, prior_alpha=self.acceptance.get(name, 0.5))
+                if k_spec == "auto"
+                else FixedK(int(k_spec))
+            )
+        seq = Sequence(
+            request_id or f"req-{next(self._ids)}",
+            ids,
+            len(ids),
+            params,
+            generator,
+            seed,
+            use_spec,
+            controller,
+            self._now(),
+            drafter=name if use_spec else None,
+        )
         seq.stats.prompt_tokens = len(ids)
         return seq
 
@@ -200,8 +243,15 @@ class Engine:
         self.waiting.append(seq)
         return seq.request_id
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               speculative: bool = True, drafter: str | None = None, k: int | str | None = None) -> str:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: bool = True,
+        drafter: str | None = None,
+        k: int | str | None = None,
+    ) -> str:
         """Check, encode and queue a request (see `prepare`)."""
         return self.enqueue(self.prepare(prompt, params, request_id, speculative, drafter, k))
 
@@ -209,8 +259,9 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: Sequence_[Prompt] | Prompt,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Sequence_[Prompt] | Prompt, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
         """Run prompts (or chat message lists) to completion as one batch; results in prompt order."""
         one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
         batch: list[Prompt] = [prompts] if one else list(prompts)  # type: ignore[list-item, arg-type]
@@ -287,13 +338,18 @@ class Engine:
                 budget -= end - seq.prefilled
         return chunks
 
-    def _forward(self, tokens: list[int], positions: list[int], slots: list[int], out_rows: list[int] | None = None
-                 ) -> torch.Tensor:
+    def _forward(
+        self, tokens: list[int], positions: list[int], slots: list[int], out_rows: list[int] | None = None
+    ) -> torch.Tensor:
         """One target pass over any tokens at (slot, position); logits of `out_rows` (all rows when None)."""
         dev = self.device
-        return self.model.forward_tokens(self.cache, torch.tensor(tokens, device=dev),
-                                         torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
-                                         None if out_rows is None else torch.tensor(out_rows))
+        return self.model.forward_tokens(
+            self.cache,
+            torch.tensor(tokens, device=dev),
+            torch.tensor(positions, device=dev),
+            torch.tensor(slots, device=dev),
+            None if out_rows is None else torch.tensor(out_rows),
+        )
 
     def _pass(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[StreamEvent]:
         ks = self._plan(seqs) if seqs else []
@@ -346,8 +402,9 @@ class Engine:
             if seq.params.greedy:
                 verdicts.append(greedy_verify(draft.tokens, greedy(scores)))
             else:
-                verdicts.append(rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params),
-                                                 seq.generator))
+                verdicts.append(
+                    rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params), seq.generator)
+                )
         t2 = self._now()
         if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
             self.costs.observe_pass(len(tokens), t2 - t1)
@@ -360,8 +417,11 @@ class Engine:
             events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
         for seq, at in firsts:
             last = logits[at : at + 1]  # (1, V)
-            token = greedy(last)[0] if seq.params.greedy else int(sample(probs_from_logits(last, seq.params),
-                                                                             seq.generator))
+            token = (
+                greedy(last)[0]
+                if seq.params.greedy
+                else int(sample(probs_from_logits(last, seq.params), seq.generator))
+            )
             seq.stats.prefill_time = t2 - seq.prefill_started
             seq.first_token_at = t2
             seq.stats.ttft = t2 - seq.submitted
@@ -377,8 +437,11 @@ class Engine:
         adaptive = [c for i in drafting if isinstance(c := seqs[i].controller, AdaptiveK)]
         if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
             return ks
-        planned = plan_batch([(c.alpha, ks[i], seqs[i].drafter) for c, i in zip(adaptive, drafting, strict=True)],
-                             len(seqs) - len(drafting), self.costs)
+        planned = plan_batch(
+            [(c.alpha, ks[i], seqs[i].drafter) for c, i in zip(adaptive, drafting, strict=True)],
+            len(seqs) - len(drafting),
+            self.costs,
+        )
         if planned is None:
             return ks
         out = [0] * len(seqs)
@@ -435,7 +498,7 @@ class Engine:
         out = seq.output_ids
         for n in range(len(out) - new_count + 1, len(out) + 1):
             if len(self.tokenizer.decode(out[:n])) > cut:
-                del seq.token_ids[seq.prompt_len + n:]
+                del seq.token_ids[seq.prompt_len + n :]
                 break
         seq.text, seq.finish_reason = seq.text[:cut], "stop"
         seq.stats.generated_tokens = len(seq.output_ids)
@@ -451,7 +514,7 @@ class Engine:
                     if seq.text[:end].endswith(s[:n]):
                         end -= n
                         break
-        delta = seq.text[seq.streamed: max(end, seq.streamed)]
+        delta = seq.text[seq.streamed : max(end, seq.streamed)]
         seq.streamed += len(delta)
         return delta
 
@@ -493,7 +556,8 @@ def check_invariant(target: LoadedModel) -> None:
         raise SpecwiseError(
             f"speculation is refused on this target ({where}): its steps are not batch-invariant, so speculative "
             "output could differ from plain output. Run it on the CPU kernels (a Llama-family model, --device cpu, "
-            "with a C compiler installed), or decode plainly without a drafter")
+            "with a C compiler installed), or decode plainly without a drafter"
+        )
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:

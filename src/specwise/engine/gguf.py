@@ -18,10 +18,15 @@ from specwise.errors import SpecwiseError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 NAMES = {  # GGUF block tensor → Hugging Face module name
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 NATIVE_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}
 
@@ -140,8 +145,11 @@ def decode(t) -> tuple[str, dict[str, torch.Tensor]]:
         sc, mn = sc.reshape(n, nsb, 8).astype(np.float32), mn.reshape(n, nsb, 8).astype(np.float32)
         qs = blocks[..., 16:144].reshape(n, nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         q = (qs & 15).reshape(n, -1)
-        return "q4", {"q": torch.from_numpy(q), "d": torch.from_numpy((d[..., None] * sc).reshape(n, -1)),
-                      "m": torch.from_numpy((-(dmin[..., None] * mn)).reshape(n, -1))}
+        return "q4", {
+            "q": torch.from_numpy(q),
+            "d": torch.from_numpy((d[..., None] * sc).reshape(n, -1)),
+            "m": torch.from_numpy((-(dmin[..., None] * mn)).reshape(n, -1)),
+        }
     from gguf.quants import dequantize
 
     w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)

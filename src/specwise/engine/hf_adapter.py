@@ -77,8 +77,9 @@ class HFAdapter(nn.Module):
         return padded_forward_tokens(self, cache, tokens, positions, slots, out_rows)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCaches, slots: list[int]
-                ) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCaches, slots: list[int]
+    ) -> torch.Tensor:
         from transformers import DynamicCache
 
         out = []
@@ -89,8 +90,9 @@ class HFAdapter(nn.Module):
                 past = DynamicCache()
             elif past.get_seq_length() > start:
                 past.crop(start - past.get_seq_length())  # negative: drop that many (transformers 4.x and 5.x)
-            result = self.hf(input_ids=tokens[b : b + 1], position_ids=positions[b : b + 1], past_key_values=past,
-                             use_cache=True)
+            result = self.hf(
+                input_ids=tokens[b : b + 1], position_ids=positions[b : b + 1], past_key_values=past, use_cache=True
+            )
             cache.rows[slot] = past  # updated in place
             out.append(result.logits.float())
         return torch.cat(out)  # (B, T, V)

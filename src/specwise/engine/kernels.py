@@ -32,6 +32,7 @@ FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=fast", "-std=gnu11",
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
 
+
 class Unsupported(SpecwiseError):
     """The kernels cannot run this model here: no C compiler, or a shape they do not take."""
 
@@ -44,32 +45,71 @@ _failure: str | None = None
 
 
 class SwLinear(ctypes.Structure):
-    _fields_ = [("fmt", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("nblocks", ctypes.c_int32),
-                ("half_scales", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", _P), ("d", _P), ("m", _P),
-                ("bias", _P)]
+    _fields_ = [
+        ("fmt", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("nblocks", ctypes.c_int32),
+        ("half_scales", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("w", _P),
+        ("d", _P),
+        ("m", _P),
+        ("bias", _P),
+    ]
 
 
 class SwLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("qkv", SwLinear), ("o", SwLinear), ("ffn_norm", _P), ("gate_up", SwLinear),
-                ("down", SwLinear)]
+    _fields_ = [
+        ("attn_norm", _P),
+        ("qkv", SwLinear),
+        ("o", SwLinear),
+        ("ffn_norm", _P),
+        ("gate_up", SwLinear),
+        ("down", SwLinear),
+    ]
 
 
 class SwModel(ctypes.Structure):
-    _fields_ = [("n_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32),
-                ("n_heads", ctypes.c_int32), ("n_kv", ctypes.c_int32), ("head_dim", ctypes.c_int32),
-                ("vocab", ctypes.c_int32), ("max_pos", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("layers", ctypes.POINTER(SwLayer)), ("embed", ctypes.POINTER(SwLinear)), ("norm", _P),
-                ("head", ctypes.POINTER(SwLinear)), ("cos_t", _P), ("sin_t", _P)]
+    _fields_ = [
+        ("n_layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("inter", ctypes.c_int32),
+        ("n_heads", ctypes.c_int32),
+        ("n_kv", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("max_pos", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(SwLayer)),
+        ("embed", ctypes.POINTER(SwLinear)),
+        ("norm", _P),
+        ("head", ctypes.POINTER(SwLinear)),
+        ("cos_t", _P),
+        ("sin_t", _P),
+    ]
 
 
 class SwCache(ctypes.Structure):
-    _fields_ = [("k", _P), ("v", _P), ("bf16", ctypes.c_int32), ("slots", ctypes.c_int32),
-                ("max_len", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [
+        ("k", _P),
+        ("v", _P),
+        ("bf16", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("max_len", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
 
 
 class SwKV(ctypes.Structure):
-    _fields_ = [("k", _P), ("v", _P), ("bf16", ctypes.c_int32), ("max_len", ctypes.c_int32),
-                ("slot_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64)]
+    _fields_ = [
+        ("k", _P),
+        ("v", _P),
+        ("bf16", ctypes.c_int32),
+        ("max_len", ctypes.c_int32),
+        ("slot_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+    ]
 
 
 def _cpu_features() -> str:
@@ -112,17 +152,22 @@ def library() -> ctypes.CDLL:
             raise Unsupported(_failure)
         cc = _compiler()
         if cc is None:
-            _failure = ("specwise's CPU kernels need a C compiler (cc, gcc or clang; set $CC to choose one): install "
-                        "one, e.g. `apt-get install gcc`")
+            _failure = (
+                "specwise's CPU kernels need a C compiler (cc, gcc or clang; set $CC to choose one): install "
+                "one, e.g. `apt-get install gcc`"
+            )
             raise Unsupported(_failure)
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_features(),
-                                        str(ABI)]).encode()).hexdigest()[:20]
+        key = hashlib.sha256(
+            "\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_features(), str(ABI)]).encode()
+        ).hexdigest()[:20]
 
         target = cache_root() / "kernels" / key / "libspecwise.so"
         if not target.exists():
-            print(f"specwise: building the CPU kernels for this machine once ({cc}); cached in {target.parent}",
-                  file=sys.stderr)
+            print(
+                f"specwise: building the CPU kernels for this machine once ({cc}); cached in {target.parent}",
+                file=sys.stderr,
+            )
             try:
                 _build(cc, target)
             except SpecwiseError as exc:
@@ -138,8 +183,7 @@ def library() -> ctypes.CDLL:
         lib.sw_attention.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P, ctypes.POINTER(SwKV), _P, _I, _P, _I]
         lib.sw_scratch_floats.argtypes = [ctypes.POINTER(SwModel), _I, _I, _I]
         lib.sw_scratch_floats.restype = ctypes.c_long
-        lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P,
-                                   _I]
+        lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P, _I]
         _lib = lib
         return lib
 
@@ -177,15 +221,17 @@ class PackedLinear:
             return t.data_ptr() if t is not None else None
 
         half = int(self.d is not None and self.d.dtype == torch.float16)
-        return SwLinear(self.fmt, self.n, self.k, self.nblocks, half, 0, ptr(self.w), ptr(self.d), ptr(self.m),
-                        ptr(self.bias))
+        return SwLinear(
+            self.fmt, self.n, self.k, self.nblocks, half, 0, ptr(self.w), ptr(self.d), ptr(self.m), ptr(self.bias)
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.m, self.bias) if t is not None)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: t for name, t in (("w", self.w), ("d", self.d), ("m", self.m), ("bias", self.bias))
-                if t is not None}
+        return {
+            name: t for name, t in (("w", self.w), ("d", self.d), ("m", self.m), ("bias", self.bias)) if t is not None
+        }
 
     @classmethod
     def from_tensors(cls, fmt: int, n: int, k: int, tensors: dict[str, torch.Tensor]) -> PackedLinear:
@@ -239,8 +285,9 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) 
     n, k = q.shape
     _check_k(k)
     (d,) = _scales(d)
-    return PackedLinear(Q8, n, k, _blocks(q.to(torch.int8), n), _blocks(d, n),
-                        bias=None if bias is None else bias.float().contiguous())
+    return PackedLinear(
+        Q8, n, k, _blocks(q.to(torch.int8), n), _blocks(d, n), bias=None if bias is None else bias.float().contiguous()
+    )
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
@@ -251,8 +298,15 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tenso
     blocks = _blocks(q.to(torch.uint8), n)  # (nb, k, 32)
     packed = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
     d, m = _scales(d, m)
-    return PackedLinear(Q4, n, k, packed.contiguous(), _blocks(d, n), _blocks(m, n),
-                        bias=None if bias is None else bias.float().contiguous())
+    return PackedLinear(
+        Q4,
+        n,
+        k,
+        packed.contiguous(),
+        _blocks(d, n),
+        _blocks(m, n),
+        bias=None if bias is None else bias.float().contiguous(),
+    )
 
 
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,6 +335,7 @@ def gemm(lin: PackedLinear, x: torch.Tensor, threads: int | None = None) -> torc
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], lin.n)
     s = lin.struct()
-    lib.sw_gemm(ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0,
-                threads or torch.get_num_threads())
+    lib.sw_gemm(
+        ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0, threads or torch.get_num_threads()
+    )
     return y

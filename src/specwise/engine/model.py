@@ -152,8 +152,7 @@ class Attention(nn.Module):
         cache.write(layer, rows, positions, k, v, start)
         keys, values = cache.read(layer, rows, length)  # (B, Hkv, S, D)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2).contiguous(), keys, values, attn_mask=mask, is_causal=False,
-            enable_gqa=self.h != self.hkv
+            q.transpose(1, 2).contiguous(), keys, values, attn_mask=mask, is_causal=False, enable_gqa=self.h != self.hkv
         )  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.d))
 
@@ -183,8 +182,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def padded_forward_tokens(model, cache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                          out_rows: torch.Tensor | None = None) -> torch.Tensor:
+def padded_forward_tokens(
+    model,
+    cache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    out_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`forward_tokens` for models with the padded (B, T) interface: group tokens by slot (each slot's tokens at
     consecutive positions), pad the rows to one length, run them, and gather the rows asked for."""
     order: dict[int, list[int]] = {}
@@ -258,19 +263,31 @@ class Decoder(nn.Module):
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.parameters()}.values())
 
-    def forward_tokens(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_tokens(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Tokens (M,) at positions (M,) in slots (M,) → logits (len(out_rows), V); see padded_forward_tokens."""
         return padded_forward_tokens(self, cache, tokens, positions, slots, out_rows)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(len(self.layers), num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
-                       dtype=p.dtype, device=p.device)
+        return KVCache(
+            len(self.layers),
+            num_slots,
+            self.cfg.num_kv_heads,
+            max_len,
+            self.cfg.head_dim,
+            dtype=p.dtype,
+            device=p.device,
+        )
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
         """tokens, positions (B, T) → logits (B, T, V) in fp32; rows are cache slots `slots`."""
         B, T = tokens.shape
         rows = rows_index(slots, tokens.device)

@@ -93,9 +93,17 @@ class NativeWeights:
 
         embed = get("embed")
         head = embed if meta.get("tied") == "True" else get("head")
-        layers = [NativeLayer(tensors[f"layers.{i}.attn_norm"], get(f"layers.{i}.qkv"), get(f"layers.{i}.o"),
-                              tensors[f"layers.{i}.ffn_norm"], get(f"layers.{i}.gate_up"), get(f"layers.{i}.down"))
-                  for i in range(cfg.num_layers)]
+        layers = [
+            NativeLayer(
+                tensors[f"layers.{i}.attn_norm"],
+                get(f"layers.{i}.qkv"),
+                get(f"layers.{i}.o"),
+                tensors[f"layers.{i}.ffn_norm"],
+                get(f"layers.{i}.gate_up"),
+                get(f"layers.{i}.down"),
+            )
+            for i in range(cfg.num_layers)
+        ]
         return cls(cfg, meta["precision"], embed, head, tensors["norm"], layers)
 
 
@@ -135,14 +143,16 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: s
         p = f"layers.{i}."
         att = p + "self_attn."
         o = pack(take(att + "o_proj.weight"), precision, take(att + "o_proj.bias") if cfg.o_bias else None)
-        layers.append(NativeLayer(
-            take(p + "input_layernorm.weight").contiguous(),
-            fused([att + f"{n}_proj" for n in "qkv"], cfg.qkv_bias),
-            o,
-            take(p + "post_attention_layernorm.weight").contiguous(),
-            fused([p + "mlp.gate_proj", p + "mlp.up_proj"]),
-            pack(take(p + "mlp.down_proj.weight"), precision),
-        ))
+        layers.append(
+            NativeLayer(
+                take(p + "input_layernorm.weight").contiguous(),
+                fused([att + f"{n}_proj" for n in "qkv"], cfg.qkv_bias),
+                o,
+                take(p + "post_attention_layernorm.weight").contiguous(),
+                fused([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                pack(take(p + "mlp.down_proj.weight"), precision),
+            )
+        )
     embed_w = take("embed_tokens.weight")
     embed = pack(embed_w, "int8" if precision in ("int4", "int8") else precision, head=True)
     head = embed if cfg.tie_word_embeddings else pack(take("lm_head.weight"), precision, head=True)
@@ -196,10 +206,16 @@ def from_gguf(reader, path, cfg: ModelConfig) -> NativeWeights:
         qkv = packed([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         if cfg.qkv_bias:
             qkv = replace(qkv, bias=torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-        layers.append(NativeLayer(dense(p + "input_layernorm.weight"), qkv, packed([p + "self_attn.o_proj.weight"]),
-                                  dense(p + "post_attention_layernorm.weight"),
-                                  packed([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                                  packed([p + "mlp.down_proj.weight"])))
+        layers.append(
+            NativeLayer(
+                dense(p + "input_layernorm.weight"),
+                qkv,
+                packed([p + "self_attn.o_proj.weight"]),
+                dense(p + "post_attention_layernorm.weight"),
+                packed([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                packed([p + "mlp.down_proj.weight"]),
+            )
+        )
     embed = packed(["model.embed_tokens.weight"])
     head = embed if cfg.tie_word_embeddings else packed(["lm_head.weight"])
     precision = "native (" + ", ".join(sorted(types)) + ")"
@@ -214,11 +230,15 @@ class NativeDecoder:
     def __init__(self, weights: NativeWeights, max_len: int | None = None, kv_dtype: torch.dtype | None = None):
         cfg = weights.cfg
         if cfg.head_dim % 16 or cfg.head_dim > 128 or cfg.num_heads % cfg.num_kv_heads:
-            raise K.Unsupported(f"the CPU kernels need a head size that is a multiple of 16 up to 128 and whole "
-                                f"query groups (got head_dim={cfg.head_dim}, {cfg.num_heads}/{cfg.num_kv_heads} heads)")
+            raise K.Unsupported(
+                f"the CPU kernels need a head size that is a multiple of 16 up to 128 and whole "
+                f"query groups (got head_dim={cfg.head_dim}, {cfg.num_heads}/{cfg.num_kv_heads} heads)"
+            )
         if cfg.hidden_size % 32 or cfg.intermediate_size % 32:
-            raise K.Unsupported(f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
-                                f"{cfg.hidden_size}, {cfg.intermediate_size})")
+            raise K.Unsupported(
+                f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
+                f"{cfg.hidden_size}, {cfg.intermediate_size})"
+            )
         self.lib = K.library()
         self.cfg, self.weights = cfg, weights
         self.precision = weights.precision
@@ -237,15 +257,34 @@ class NativeDecoder:
         w = self.weights
         layers = (K.SwLayer * max(len(w.layers), 1))()
         for i, L in enumerate(w.layers):
-            layers[i] = K.SwLayer(L.attn_norm.data_ptr(), L.qkv.struct(), L.o.struct(), L.ffn_norm.data_ptr(),
-                                  L.gate_up.struct(), L.down.struct())
+            layers[i] = K.SwLayer(
+                L.attn_norm.data_ptr(),
+                L.qkv.struct(),
+                L.o.struct(),
+                L.ffn_norm.data_ptr(),
+                L.gate_up.struct(),
+                L.down.struct(),
+            )
         self._layers = layers
         self._embed, self._head = w.embed.struct(), w.head.struct()
         c = self.cfg
-        self._model = K.SwModel(len(w.layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                                c.head_dim, c.vocab_size, self.max_len, c.rms_norm_eps, layers,
-                                ctypes.pointer(self._embed), w.norm.data_ptr(), ctypes.pointer(self._head),
-                                self.cos.data_ptr(), self.sin.data_ptr())
+        self._model = K.SwModel(
+            len(w.layers),
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.vocab_size,
+            self.max_len,
+            c.rms_norm_eps,
+            layers,
+            ctypes.pointer(self._embed),
+            w.norm.data_ptr(),
+            ctypes.pointer(self._head),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+        )
 
     # --- what the engine and drafters use ---------------------------------------------------------------------
 
@@ -260,11 +299,24 @@ class NativeDecoder:
         return self.weights.nbytes()
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
-                       dtype=self.kv_dtype, empty=True)
+        return KVCache(
+            self.num_layers,
+            num_slots,
+            self.cfg.num_kv_heads,
+            max_len,
+            self.cfg.head_dim,
+            dtype=self.kv_dtype,
+            empty=True,
+        )
 
-    def forward_tokens(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_tokens(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Tokens (M,) at positions (M,) in cache slots (M,) → fp32 logits (len(out_rows), V) (all rows if None)."""
         M = int(tokens.shape[0])
         tokens = tokens.to(torch.int64).contiguous()
@@ -275,24 +327,43 @@ class NativeDecoder:
             raise SpecwiseError("this cache was made for another model or precision")
         logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
         threads = torch.get_num_threads()
-        sw_cache = K.SwCache(cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16),
-                             cache.num_slots, cache.max_len, 0)
+        sw_cache = K.SwCache(
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            int(cache.k.dtype == torch.bfloat16),
+            cache.num_slots,
+            cache.max_len,
+            0,
+        )
         with self._lock:
             need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.max_len, threads)
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need)
-            rc = self.lib.sw_forward(ctypes.byref(self._model), ctypes.byref(sw_cache), M, tokens.data_ptr(),
-                                     positions.data_ptr(), slots.data_ptr(), int(rows.shape[0]), rows.data_ptr(),
-                                     logits.data_ptr(), self._scratch.data_ptr(), threads)
+            rc = self.lib.sw_forward(
+                ctypes.byref(self._model),
+                ctypes.byref(sw_cache),
+                M,
+                tokens.data_ptr(),
+                positions.data_ptr(),
+                slots.data_ptr(),
+                int(rows.shape[0]),
+                rows.data_ptr(),
+                logits.data_ptr(),
+                self._scratch.data_ptr(),
+                threads,
+            )
         if rc != 0:
-            what = {-1: "a position outside the cache or the model's context", -2: "a slot outside the cache",
-                    -3: "a token id outside the vocabulary", -4: "an output row outside the pass"}[rc]
+            what = {
+                -1: "a position outside the cache or the model's context",
+                -2: "a slot outside the cache",
+                -3: "a token id outside the vocabulary",
+                -4: "an output row outside the pass",
+            }[rc]
             raise SpecwiseError(f"forward pass refused: {what}")
         return logits
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]
-                 ) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
         """The padded interface of the reference decoder: (B, T) tokens and positions → (B, T, V) logits."""
         B, T = tokens.shape
         slot_ids = torch.tensor(slots, dtype=torch.int32).repeat_interleave(T)
@@ -301,6 +372,7 @@ class NativeDecoder:
 
     def extra_bytes(self, base: NativeDecoder) -> int:
         """Bytes of weights this decoder holds that `base` does not share (what a derived drafter adds)."""
+
         def tensors(w: NativeWeights) -> dict[int, torch.Tensor]:
             packed = [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [w.embed, w.head]
             return {t.data_ptr(): t for p in packed for t in p.tensors().values()}
@@ -316,12 +388,22 @@ class NativeDecoder:
     def requantized(self, precision: str, kv_dtype: torch.dtype | None = None) -> NativeDecoder:
         """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
         dequantised reference of a quantised model); embeddings and norms are shared."""
+
         def again(p: K.PackedLinear) -> K.PackedLinear:
             return pack(p.dequantize(), precision, p.bias)
 
-        layers = [NativeLayer(L.attn_norm, again(L.qkv), again(L.o), L.ffn_norm,
-                              pack(L.gate_up.dequantize(), precision), pack(L.down.dequantize(), precision))
-                  for L in self.weights.layers]
+        layers = [
+            NativeLayer(
+                L.attn_norm,
+                again(L.qkv),
+                again(L.o),
+                L.ffn_norm,
+                pack(L.gate_up.dequantize(), precision),
+                pack(L.down.dequantize(), precision),
+            )
+            for L in self.weights.layers
+        ]
         head = pack(self.weights.head.dequantize(), precision, head=True)
-        return NativeDecoder(replace(self.weights, precision=precision, layers=layers, head=head), self.max_len,
-                             kv_dtype)
+        return NativeDecoder(
+            replace(self.weights, precision=precision, layers=layers, head=head), self.max_len, kv_dtype
+        )

@@ -35,21 +35,25 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise SpecwiseError naming the first bad value and what is allowed."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise SpecwiseError(f"max_new_tokens={self.max_new_tokens!r} is not allowed: it must be an integer ≥ 1",
-                                param="max_tokens")
+            raise SpecwiseError(
+                f"max_new_tokens={self.max_new_tokens!r} is not allowed: it must be an integer ≥ 1", param="max_tokens"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise SpecwiseError(f"temperature={self.temperature!r} is not allowed: it must be ≥ 0 (0 = greedy)",
-                                param="temperature")
+            raise SpecwiseError(
+                f"temperature={self.temperature!r} is not allowed: it must be ≥ 0 (0 = greedy)", param="temperature"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SpecwiseError(f"top_k={self.top_k!r} is not allowed: it must be an integer ≥ 0 (0 = off)",
-                                param="top_k")
+            raise SpecwiseError(
+                f"top_k={self.top_k!r} is not allowed: it must be an integer ≥ 0 (0 = off)", param="top_k"
+            )
         if not (0 < self.top_p <= 1):
             raise SpecwiseError(f"top_p={self.top_p!r} is not allowed: it must be in (0, 1]", param="top_p")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise SpecwiseError(f"seed={self.seed!r} is not allowed: it must be an integer ≥ 0", param="seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SpecwiseError(f"stop={self.stop!r} is not allowed: stop strings must be non-empty strings",
-                                param="stop")
+            raise SpecwiseError(
+                f"stop={self.stop!r} is not allowed: stop strings must be non-empty strings", param="stop"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -52,8 +52,10 @@ class Policy:
         if self.low is None:
             self.low = max(self.high // 2, 1) if self.high > 1 else 0
         if not isinstance(self.low, int) or not 0 <= self.low < self.high:
-            raise SpecwiseError(f"policy low threshold {self.low!r} is not allowed: it must be from 0 to "
-                                f"{self.high - 1} (below the high threshold {self.high})")
+            raise SpecwiseError(
+                f"policy low threshold {self.low!r} is not allowed: it must be from 0 to "
+                f"{self.high - 1} (below the high threshold {self.high})"
+            )
         self.on = self.mode != "never"
 
     def update(self, load: int) -> bool:
@@ -86,8 +88,13 @@ class StepReport:
 class Scheduler:
     """Runs `engine` on a background thread; `submit` and `cancel` are safe to call from any thread."""
 
-    def __init__(self, engine: Engine, policy: Policy | None = None, max_queue: int = 64,
-                 on_step: Callable[[StepReport], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        policy: Policy | None = None,
+        max_queue: int = 64,
+        on_step: Callable[[StepReport], None] | None = None,
+    ):
         if not isinstance(max_queue, int) or max_queue < 1:
             raise SpecwiseError(f"max_queue={max_queue!r} is not allowed: it must be a whole number ≥ 1")
         self.engine, self.policy, self.max_queue, self.on_step = engine, policy or Policy(), max_queue, on_step
@@ -109,17 +116,27 @@ class Scheduler:
     def running(self) -> int:
         return len(self.engine.running)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, speculative: bool = True,
-               drafter: str | None = None, k: int | str | None = None, request_id: str | None = None,
-               fill_context: bool = False) -> Sequence:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        sink: Sink,
+        speculative: bool = True,
+        drafter: str | None = None,
+        k: int | str | None = None,
+        request_id: str | None = None,
+        fill_context: bool = False,
+    ) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input and QueueFull when the waiting queue holds `max_queue` requests."""
         seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k, fill_context)
         with self._lock:
             if self.waiting >= self.max_queue:
                 per_slot = self.recent_e2e / max(self.engine.max_batch, 1)
-                raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting): retry later",
-                                retry_after=max(1.0, self.waiting * per_slot))
+                raise QueueFull(
+                    f"the server's queue is full ({self.max_queue} requests waiting): retry later",
+                    retry_after=max(1.0, self.waiting * per_slot),
+                )
             self._pending += 1
         self._inbox.put(("submit", seq, sink))
         return seq
@@ -177,9 +194,16 @@ class Scheduler:
                 self._fail_all(exc)
                 continue
             if self.on_step is not None:
-                self.on_step(StepReport(len(engine.running), len(engine.waiting), engine.speculate,
-                                        list(engine.last_step_rows), time.perf_counter() - t0,
-                                        self.policy.switches))
+                self.on_step(
+                    StepReport(
+                        len(engine.running),
+                        len(engine.waiting),
+                        engine.speculate,
+                        list(engine.last_step_rows),
+                        time.perf_counter() - t0,
+                        self.policy.switches,
+                    )
+                )
             for event in events:
                 sink = self._sinks.get(event.request_id)
                 if event.result is not None:

@@ -27,6 +27,10 @@ class RequestStats(SpecCounts):
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
-                 acceptance_by_position=self.acceptance_by_position, tpot=self.tpot)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_acceptance_length=self.mean_acceptance_length,
+            acceptance_by_position=self.acceptance_by_position,
+            tpot=self.tpot,
+        )
         return d

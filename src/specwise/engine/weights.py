@@ -143,8 +143,14 @@ def check_precision(dtype: str, quantize: str | None) -> None:
         raise SpecwiseError(f"quantize {quantize!r} is not supported (allowed: {', '.join(QUANTIZE)}, or none)")
 
 
-def load_target(path: str | Path | None = None, device: str | None = "cpu", dtype: str = "auto",
-                max_len: int | None = None, quantize: str | None = None, reference: bool = False) -> LoadedModel:
+def load_target(
+    path: str | Path | None = None,
+    device: str | None = "cpu",
+    dtype: str = "auto",
+    max_len: int | None = None,
+    quantize: str | None = None,
+    reference: bool = False,
+) -> LoadedModel:
     """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct). `reference` runs
     a Llama-family model on the torch reference decoder instead of the CPU kernels (tests compare the two)."""
     check_precision(dtype, quantize)
@@ -197,16 +203,19 @@ def _stored_as(config: dict, precision: str) -> bool:
 def _native_precision(is_gguf: bool, dtype: str, quantize: str | None, gguf_types: set[str] | None = None) -> str:
     if quantize:
         if is_gguf and gguf_types and gguf_types - {"F32", "F16", "BF16"}:
-            raise SpecwiseError(f"this GGUF is already quantised ({', '.join(sorted(gguf_types))}); --quantize is "
-                                "for Hugging Face models or F16/F32 GGUF files")
+            raise SpecwiseError(
+                f"this GGUF is already quantised ({', '.join(sorted(gguf_types))}); --quantize is "
+                "for Hugging Face models or F16/F32 GGUF files"
+            )
         return quantize
     if dtype == "auto":
         return "native" if is_gguf else "bfloat16"
     return dtype
 
 
-def _load_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None,
-                 max_len: int | None) -> CausalLM:
+def _load_native(
+    source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None
+) -> CausalLM:
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
     from specwise.engine import kernels
 
@@ -216,14 +225,16 @@ def _load_native(source: Path, directory: Path, config: dict, dtype: str, quanti
     except kernels.Unsupported as exc:  # no compiler, or a shape the kernels do not take
         if quantize:
             raise
-        print(f"specwise: {exc}\nspecwise: running the reference decoder instead: slower, and speculation is refused "
-              "there (its steps are not batch-invariant)", file=sys.stderr)
+        print(
+            f"specwise: {exc}\nspecwise: running the reference decoder instead: slower, and speculation is refused "
+            "there (its steps are not batch-invariant)",
+            file=sys.stderr,
+        )
         precision = "float32" if dtype == "auto" else dtype
         return _load_decoder(directory, config, TORCH_DTYPES[precision], torch.device("cpu"), max_len)
 
 
-def _build_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None,
-                  max_len: int | None):
+def _build_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None):
     from specwise.engine.native import NativeDecoder, from_hf_state
 
     cfg = ModelConfig.from_hf(config)
@@ -280,8 +291,9 @@ def _read_config(directory: Path) -> dict:
         raise SpecwiseError(f"{directory / 'config.json'}: unreadable model config ({exc})") from exc
 
 
-def _load_decoder(directory: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                  max_len: int | None) -> Decoder:
+def _load_decoder(
+    directory: Path, config: dict, dtype: torch.dtype, device: torch.device, max_len: int | None
+) -> Decoder:
     """The reference decoder (torch ops): CUDA, and the CPU when the kernels cannot be built."""
     cfg = ModelConfig.from_hf(config)
     weights_dir = directory
@@ -369,8 +381,9 @@ def convert_gguf(path: Path, digest: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
         gguf.write_tokenizer(path, tmp)
-        (tmp / "specwise.json").write_text(json.dumps({"source": str(path), "sha256": digest,
-                                                       "converter": CONVERTER_VERSION, "tensor_types": types}))
+        (tmp / "specwise.json").write_text(
+            json.dumps({"source": str(path), "sha256": digest, "converter": CONVERTER_VERSION, "tensor_types": types})
+        )
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first

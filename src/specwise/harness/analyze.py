@@ -33,19 +33,29 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
     passed = sum(1 for r in ok if r.passed)
     n = len(records)
     return Row(
-        config, load, group, requests=n, errors=n - len(ok), error_rate=(n - len(ok)) / n if n else 0.0,
-        validated=passed, validation_rate=passed / n if n else 0.0,
+        config,
+        load,
+        group,
+        requests=n,
+        errors=n - len(ok),
+        error_rate=(n - len(ok)) / n if n else 0.0,
+        validated=passed,
+        validation_rate=passed / n if n else 0.0,
         goodput=passed / phase_seconds if phase_seconds else None,
-        ttft=summarize([r.ttft for r in ok]), tpot=summarize([_tpot(r) for r in ok]),
-        itl=summarize([x for r in ok for x in r.itl]), e2e=summarize([r.e2e for r in ok]),
-        prefill=summarize([r.prefill for r in ok]), decode=summarize([r.decode for r in ok]),
+        ttft=summarize([r.ttft for r in ok]),
+        tpot=summarize([_tpot(r) for r in ok]),
+        itl=summarize([x for r in ok for x in r.itl]),
+        e2e=summarize([r.e2e for r in ok]),
+        prefill=summarize([r.prefill for r in ok]),
+        decode=summarize([r.decode for r in ok]),
         output_tokens=summarize([r.output_tokens for r in ok]),
         acceptance_rate=pooled.acceptance_rate,
         mean_acceptance_length=pooled.mean_acceptance_length if pooled.drafted else None,
         acceptance_by_position=pooled.acceptance_by_position,
         # drafting time as a share of the decode phase (the client's clock), as the report's draft% column says
         drafting_share=pooled.drafting_time / decode if decode and spec else None,
-        per_request_acceptance=[r for c in spec if (r := c.acceptance_rate) is not None])
+        per_request_acceptance=[r for c in spec if (r := c.acceptance_rate) is not None],
+    )
 
 
 def analyze(run: Run) -> Analysis:
@@ -64,35 +74,51 @@ def analyze(run: Run) -> Analysis:
     for c in configs:
         for ld in plan.loads:
             phase = run.phase_seconds.get(f"{c}|{ld.name}")  # goodput is per phase (its groups share the wall time)
-            table += [row_stats(c, ld.name, g, by[(c, ld.name, g)], phase) for g in sorted(groups)
-                      if by.get((c, ld.name, g))]
+            table += [
+                row_stats(c, ld.name, g, by[(c, ld.name, g)], phase) for g in sorted(groups) if by.get((c, ld.name, g))
+            ]
     comparisons, verdicts = [], {}
     for s in specs:
         cells_by_kind: dict[str, list[Cell]] = defaultdict(list)
         for load in plan.loads:
             for g in sorted(groups):
-                comp = _compare(s, load.name, g, by.get((baseline, load.name, g), []), by.get((s, load.name, g), []),
-                                greedy)
+                comp = _compare(
+                    s, load.name, g, by.get((baseline, load.name, g), []), by.get((s, load.name, g), []), greedy
+                )
                 if comp is None:
                     continue
                 comparisons.append(comp)
                 e = comp.e2e_speedup
-                cells_by_kind[load.kind].append(Cell(
-                    g, load.value, e.value, e.lo, e.hi, e.n, validated_base=comp.validation_base,
-                    validated_spec=comp.validation_spec, errors_base=comp.errors_base, errors_spec=comp.errors_spec,
-                    mismatches=len(comp.mismatches),
-                    length_p=comp.output_length_ks["p"] if comp.output_length_ks else None))
+                cells_by_kind[load.kind].append(
+                    Cell(
+                        g,
+                        load.value,
+                        e.value,
+                        e.lo,
+                        e.hi,
+                        e.n,
+                        validated_base=comp.validation_base,
+                        validated_spec=comp.validation_spec,
+                        errors_base=comp.errors_base,
+                        errors_spec=comp.errors_spec,
+                        mismatches=len(comp.mismatches),
+                        length_p=comp.output_length_ks["p"] if comp.output_length_ks else None,
+                    )
+                )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
-    return Analysis(baseline, configs, [ld.name for ld in plan.loads], sorted(groups), table, comparisons,
-                    verdicts, greedy)
+    return Analysis(
+        baseline, configs, [ld.name for ld in plan.loads], sorted(groups), table, comparisons, verdicts, greedy
+    )
 
 
-def _compare(config: str, load: str, group: str, base_recs: list[Record], spec_recs: list[Record],
-             greedy: bool) -> Comparison | None:
+def _compare(
+    config: str, load: str, group: str, base_recs: list[Record], spec_recs: list[Record], greedy: bool
+) -> Comparison | None:
     base = {(r.task_id, r.repeat): r for r in base_recs}
     spec = {(r.task_id, r.repeat): r for r in spec_recs}
-    pairs = [(base[k], spec[k]) for k in sorted(base.keys() & spec.keys())
-             if base[k].error is None and spec[k].error is None]
+    pairs = [
+        (base[k], spec[k]) for k in sorted(base.keys() & spec.keys()) if base[k].error is None and spec[k].error is None
+    ]
     if not pairs:
         return None
     e2e = speedup_ci([b.e2e or math.nan for b, _ in pairs], [x.e2e or math.nan for _, x in pairs])
@@ -101,13 +127,27 @@ def _compare(config: str, load: str, group: str, base_recs: list[Record], spec_r
     dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
     mismatches = [b.task_id for b, x in pairs if b.output != x.output] if greedy else []
     # Sampled runs cannot match token for token: compare the distributions instead.
-    lengths = None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs],
-                                                [x.output_tokens for _, x in pairs])
+    lengths = (
+        None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
+    )
     bstats = row_stats("", load, group, list(base.values()), None)
     sstats = row_stats(config, load, group, list(spec.values()), None)
-    return Comparison(config, load, group, len(pairs), e2e, dec, mismatches, lengths,
-                      bstats.validation_rate, sstats.validation_rate, bstats.error_rate, sstats.error_rate,
-                      bstats.ttft.p50, sstats.ttft.p50)
+    return Comparison(
+        config,
+        load,
+        group,
+        len(pairs),
+        e2e,
+        dec,
+        mismatches,
+        lengths,
+        bstats.validation_rate,
+        sstats.validation_rate,
+        bstats.error_rate,
+        sstats.error_rate,
+        bstats.ttft.p50,
+        sstats.ttft.p50,
+    )
 
 
 def load_run(path: str | Path) -> Run:
@@ -121,8 +161,9 @@ def store_verdicts(path: str | Path, analysis: Analysis) -> None:
     """Keep the verdicts in the run file, so `serve --policy-from` reads them without re-running the analysis."""
     store = Store(path)
     try:
-        store.set_meta("verdicts", {c: {k: v.to_dict() for k, v in by_kind.items()}
-                                    for c, by_kind in analysis.verdicts.items()})
+        store.set_meta(
+            "verdicts", {c: {k: v.to_dict() for k, v in by_kind.items()} for c, by_kind in analysis.verdicts.items()}
+        )
     finally:
         store.close()
 
@@ -139,5 +180,7 @@ def policy_from_run(path: str) -> tuple[str, int | None, str]:
             continue
         mode, high = policy_from_verdict(v, run.plan.concurrency_levels())
         return mode, high, f"{path}: {name!r} — {v.headline('concurrency')}"
-    raise SpecwiseError(f"{path}: the run has no verdict at fixed concurrency levels, so it gives no load threshold "
-                        "(evaluate with --concurrency)")
+    raise SpecwiseError(
+        f"{path}: the run has no verdict at fixed concurrency levels, so it gives no load threshold "
+        "(evaluate with --concurrency)"
+    )

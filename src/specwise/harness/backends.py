@@ -77,8 +77,14 @@ class Backend(Protocol):
         """Pay one-time costs before anything is measured."""
         ...
 
-    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
-            progress: Callable[[], None] | None = None) -> Phase:
+    def run(
+        self,
+        config: str,
+        load: Load,
+        requests: list[Request],
+        on_record: Callable[[Record], None],
+        progress: Callable[[], None] | None = None,
+    ) -> Phase:
         """Run one phase, handing each finished request to `on_record` on the calling thread."""
         ...
 
@@ -87,9 +93,14 @@ class Backend(Protocol):
         ...
 
 
-def dispatch(load: Load, requests: list[Request], submit: Callable[[Request], None],
-             poll: Callable[[float | None], list[Record]], on_record: Callable[[Record], None],
-             progress: Callable[[], None] | None = None) -> float:
+def dispatch(
+    load: Load,
+    requests: list[Request],
+    submit: Callable[[Request], None],
+    poll: Callable[[float | None], list[Record]],
+    on_record: Callable[[Record], None],
+    progress: Callable[[], None] | None = None,
+) -> float:
     """The load loop every backend shares; returns the phase's wall time in seconds.
 
     Closed loop (`concurrent@N`): keep N requests in flight. Open loop (`poisson@R`): submit each request at its
@@ -128,8 +139,12 @@ def hardware() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_threads": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cpu_threads": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 class EngineBackend:
@@ -137,14 +152,24 @@ class EngineBackend:
 
     whole_phases = False
 
-    def __init__(self, model: str | None, configs: list[Config], device: str = "cpu", max_batch: int = 8,
-                 max_len: int = 1536, temperature: float = 0.0, dtype: str = "auto", quantize: str | None = None):
+    def __init__(
+        self,
+        model: str | None,
+        configs: list[Config],
+        device: str = "cpu",
+        max_batch: int = 8,
+        max_len: int = 1536,
+        temperature: float = 0.0,
+        dtype: str = "auto",
+        quantize: str | None = None,
+    ):
         from specwise.engine import Engine, load_target
 
         self.target = load_target(model, device=device, dtype=dtype, quantize=quantize)
         self.temperature = temperature
-        self.engines = {c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len)
-                        for c in configs}
+        self.engines = {
+            c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len) for c in configs
+        }
 
     def info(self) -> dict:
         """Provenance: target identity, each configuration's drafter and its extra resources, hardware."""
@@ -156,12 +181,13 @@ class EngineBackend:
         for name, e in self.engines.items():
             d = e.drafter
             configs[name] = {
-                "drafter": d.name if d else None, "k": e.k_spec if d else None,
-                "draft_extra_memory_bytes": d.extra_memory_bytes() if d else 0, "draft_device": str(dev) if d else None,
+                "drafter": d.name if d else None,
+                "k": e.k_spec if d else None,
+                "draft_extra_memory_bytes": d.extra_memory_bytes() if d else 0,
+                "draft_device": str(dev) if d else None,
                 "draft_identity": d.provenance(self.target.identity.sha256) if d else None,
             }
-        return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw,
-                "backend": "engine"}
+        return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw, "backend": "engine"}
 
     def warm_up(self) -> None:
         """One short generation per configuration, so the first measured request pays no one-time costs."""
@@ -170,8 +196,14 @@ class EngineBackend:
         for e in self.engines.values():
             e.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))
 
-    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
-            progress: Callable[[], None] | None = None) -> Phase:
+    def run(
+        self,
+        config: str,
+        load: Load,
+        requests: list[Request],
+        on_record: Callable[[Record], None],
+        progress: Callable[[], None] | None = None,
+    ) -> Phase:
         """Run one phase on this configuration's engine, stepping it on this thread."""
         from specwise.engine import SamplingParams
         from specwise.errors import SpecwiseError
@@ -186,8 +218,9 @@ class EngineBackend:
             try:
                 live[engine.submit(req.prompt, params)] = (req, now, [])
             except SpecwiseError as exc:
-                refused.append(Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now,
-                                      error=str(exc)))
+                refused.append(
+                    Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now, error=str(exc))
+                )
 
         def poll(timeout: float | None) -> list[Record]:
             done = refused[:]
@@ -213,16 +246,27 @@ class EngineBackend:
         """Nothing to release: the engines go with the backend."""
 
 
-def _record(config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list[float],
-            result) -> Record:
+def _record(
+    config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list[float], result
+) -> Record:
     s = result.stats
     return Record(
-        config, load.name, req.task_id, req.repeat, req.groups, req.seed, submitted, finished,
-        output=result.text, prompt_tokens=s.prompt_tokens, output_tokens=s.generated_tokens,
-        finish_reason=result.finish_reason, ttft=chunks[0] - submitted if chunks else None,
-        itl=[b - a for a, b in itertools.pairwise(chunks)], e2e=finished - submitted, prefill=s.prefill_time,
-        decode=s.decode_time, spec=s.counts().to_dict(),
+        config,
+        load.name,
+        req.task_id,
+        req.repeat,
+        req.groups,
+        req.seed,
+        submitted,
+        finished,
+        output=result.text,
+        prompt_tokens=s.prompt_tokens,
+        output_tokens=s.generated_tokens,
+        finish_reason=result.finish_reason,
+        ttft=chunks[0] - submitted if chunks else None,
+        itl=[b - a for a, b in itertools.pairwise(chunks)],
+        e2e=finished - submitted,
+        prefill=s.prefill_time,
+        decode=s.decode_time,
+        spec=s.counts().to_dict(),
     )
-
-
-

@@ -14,8 +14,10 @@ def _flags(a: Run, b: Run) -> list[str]:
     flags = []
     ta, tb = pa.get("target", {}), pb.get("target", {})
     if ta.get("sha256") != tb.get("sha256"):
-        flags.append(f"target revision differs: {ta.get('name')} {str(ta.get('sha256'))[:12]} vs "
-                     f"{tb.get('name')} {str(tb.get('sha256'))[:12]}")
+        flags.append(
+            f"target revision differs: {ta.get('name')} {str(ta.get('sha256'))[:12]} vs "
+            f"{tb.get('name')} {str(tb.get('sha256'))[:12]}"
+        )
     for name in sorted(set(pa.get("configs", {})) & set(pb.get("configs", {}))):
         da, db = pa["configs"][name].get("draft_identity"), pb["configs"][name].get("draft_identity")
         if da != db:
@@ -23,7 +25,8 @@ def _flags(a: Run, b: Run) -> list[str]:
     if pa.get("specwise_version") != pb.get("specwise_version"):
         flags.append(f"specwise version differs: {pa.get('specwise_version')} vs {pb.get('specwise_version')}")
     if pa.get("hardware", {}).get("cpu") != pb.get("hardware", {}).get("cpu") or pa.get("hardware", {}).get(
-            "gpu") != pb.get("hardware", {}).get("gpu"):
+        "gpu"
+    ) != pb.get("hardware", {}).get("gpu"):
         flags.append("hardware differs")
     if a.fingerprint != b.fingerprint:
         flags.append(f"plan differs (fingerprint {a.fingerprint} vs {b.fingerprint})")
@@ -34,8 +37,12 @@ def compare_runs(a: Run, b: Run) -> tuple[str, bool]:
     """Text of the side-by-side table and whether anything was flagged."""
     rows_a = {(c.config, c.load, c.group): c for c in a.analysed.comparisons}
     rows_b = {(c.config, c.load, c.group): c for c in b.analysed.comparisons}
-    lines = [f"A: {a.path}", f"B: {b.path}", "",
-             f"{'config':>22} {'load':>14} {'group':>12} {'A speedup [CI]':>22} {'B speedup [CI]':>22}"]
+    lines = [
+        f"A: {a.path}",
+        f"B: {b.path}",
+        "",
+        f"{'config':>22} {'load':>14} {'group':>12} {'A speedup [CI]':>22} {'B speedup [CI]':>22}",
+    ]
     for key in sorted(rows_a.keys() | rows_b.keys()):
         cells = []
         for rows in (rows_a, rows_b):

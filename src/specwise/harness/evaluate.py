@@ -34,9 +34,14 @@ def stratified(workload: Workload, n: int) -> Workload:
     counts: dict[str, int] = {}
     combos: dict[tuple[str, ...], int] = {}
     while len(picked) < n:
-        best = min(left, key=lambda t: (combos.get(tuple(sorted(t.groups)), 0),
-                                        sum(counts.get(g, 0) for g in t.groups),
-                                        max(counts.get(g, 0) for g in t.groups)))
+        best = min(
+            left,
+            key=lambda t: (
+                combos.get(tuple(sorted(t.groups)), 0),
+                sum(counts.get(g, 0) for g in t.groups),
+                max(counts.get(g, 0) for g in t.groups),
+            ),
+        )
         left.remove(best)
         picked.append(best)
         combos[tuple(sorted(best.groups))] = combos.get(tuple(sorted(best.groups)), 0) + 1
@@ -60,9 +65,11 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
         out = []
         for i, c in enumerate(raw):
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) or set(c) - CONFIG_KEYS:
-                raise SpecwiseError(f"{path}: configs[{i}] must be a mapping with 'name' and optionally "
-                                    "'drafter', 'k', 'launch' (a server command), 'request' (extra request fields) "
-                                    "— nothing else")
+                raise SpecwiseError(
+                    f"{path}: configs[{i}] must be a mapping with 'name' and optionally "
+                    "'drafter', 'k', 'launch' (a server command), 'request' (extra request fields) "
+                    "— nothing else"
+                )
             if c.get("launch") is not None and not (isinstance(c["launch"], str) and c["launch"].strip()):
                 raise SpecwiseError(f"{path}: configs[{i}].launch must be a command line (a non-empty string)")
             if c.get("request") is not None and not isinstance(c["request"], dict):
@@ -75,17 +82,29 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
     if getattr(args, "launch", None):
         if len(args.launch) < 2:
             raise SpecwiseError("--launch: give one command per configuration, the baseline's first (at least two)")
-        names = ["baseline"] + (["speculative"] if len(args.launch) == 2 else
-                                [f"speculative-{i}" for i in range(1, len(args.launch))])
+        names = ["baseline"] + (
+            ["speculative"] if len(args.launch) == 2 else [f"speculative-{i}" for i in range(1, len(args.launch))]
+        )
         return [Config(n, None, "auto", None, cmd) for n, cmd in zip(names, args.launch, strict=True)]
     drafters = args.drafter or ["ngram"]
-    configs = [Config("baseline")] + [Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k)
-                                      for d in drafters]
+    configs = [Config("baseline")] + [
+        Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k) for d in drafters
+    ]
     if getattr(args, "endpoint", None):  # specwise serve chooses per request; other servers need --launch
-        configs = [Config(c.name, c.drafter, c.k, {"speculative": {"enabled": c.drafter is not None,
-                                                                    **({"drafter": c.drafter, "k": c.k}
-                                                                       if c.drafter else {})}})
-                   for c in configs]
+        configs = [
+            Config(
+                c.name,
+                c.drafter,
+                c.k,
+                {
+                    "speculative": {
+                        "enabled": c.drafter is not None,
+                        **({"drafter": c.drafter, "k": c.k} if c.drafter else {}),
+                    }
+                },
+            )
+            for c in configs
+        ]
     return configs
 
 
@@ -119,8 +138,10 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     if args.launch and not args.endpoint:
         raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
     if args.endpoint and (args.dtype != "auto" or args.quantize):
-        raise SpecwiseError("--dtype and --quantize set the in-process engine's precision; with --endpoint the server "
-                            "decides it (put them in the command you --launch)")
+        raise SpecwiseError(
+            "--dtype and --quantize set the in-process engine's precision; with --endpoint the server "
+            "decides it (put them in the command you --launch)"
+        )
     workload = load_workload(args.workload) if args.workload else builtin_workload()
     n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
     if n_tasks < 0:
@@ -135,33 +156,68 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
     target = args.model
     if not args.endpoint and (args.dtype != "auto" or args.quantize):  # another precision is another target
-        target = " ".join(filter(None, [args.model, f"--dtype {args.dtype}" if args.dtype != "auto" else None,
-                                        f"--quantize {args.quantize}" if args.quantize else None]))
-    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature,
-                target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(), cap)
+        target = " ".join(
+            filter(
+                None,
+                [
+                    args.model,
+                    f"--dtype {args.dtype}" if args.dtype != "auto" else None,
+                    f"--quantize {args.quantize}" if args.quantize else None,
+                ],
+            )
+        )
+    plan = Plan(
+        workload,
+        configs,
+        loads,
+        args.repeats,
+        args.seed,
+        args.temperature,
+        target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(),
+        cap,
+    )
     out = Path(args.out)
     check_output_dir(out)
     store = Store(out / "run.db")
     check_store(plan, store, args.resume)  # before the model loads
     max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
-    print(f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
-          f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}", file=sys.stderr)
+    print(
+        f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
+        f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}",
+        file=sys.stderr,
+    )
     backend: Backend
     if args.endpoint:
         from specwise.harness.http_backend import HTTPBackend
 
-        backend = HTTPBackend(args.endpoint, args.model, configs, api_key=args.api_key,
-                              temperature=args.temperature, launch_timeout=args.launch_timeout, log_dir=out)
+        backend = HTTPBackend(
+            args.endpoint,
+            args.model,
+            configs,
+            api_key=args.api_key,
+            temperature=args.temperature,
+            launch_timeout=args.launch_timeout,
+            log_dir=out,
+        )
     else:
         from specwise.harness.backends import EngineBackend
 
-        backend = EngineBackend(args.model, configs, device=args.device, max_batch=max_batch,
-                                temperature=args.temperature, dtype=args.dtype, quantize=args.quantize)
+        backend = EngineBackend(
+            args.model,
+            configs,
+            device=args.device,
+            max_batch=max_batch,
+            temperature=args.temperature,
+            dtype=args.dtype,
+            quantize=args.quantize,
+        )
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: every finished request is saved in {out / 'run.db'}; continue with --resume",
-              file=sys.stderr)
+        print(
+            f"\ninterrupted: every finished request is saved in {out / 'run.db'}; continue with --resume",
+            file=sys.stderr,
+        )
         return 130
     finally:
         store.close()

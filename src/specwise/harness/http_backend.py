@@ -72,18 +72,26 @@ def counter_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
-    d["accepted_per_pos"] = [after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0)
-                             for p in positions]
+    d["accepted_per_pos"] = [
+        after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0) for p in positions
+    ]
     return d
 
 
 class HTTPBackend:
     """Runs configurations against an OpenAI-compatible endpoint, launching a server per configuration if asked."""
 
-
-    def __init__(self, endpoint: str, model: str | None, configs: list[Config], api_key: str | None = None,
-                 temperature: float = 0.0, timeout: float = 600.0, launch_timeout: float = 600.0,
-                 log_dir: Path | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        model: str | None,
+        configs: list[Config],
+        api_key: str | None = None,
+        temperature: float = 0.0,
+        timeout: float = 600.0,
+        launch_timeout: float = 600.0,
+        log_dir: Path | None = None,
+    ):
         if not re.match(r"^https?://[^/\s]+", endpoint or ""):
             raise SpecwiseError(f"--endpoint {endpoint!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
         self.base = endpoint.rstrip("/").removesuffix("/v1")
@@ -95,8 +103,11 @@ class HTTPBackend:
         self.launching = all(launches)
         self.whole_phases = self.launching  # each configuration switch restarts a server
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
-                                   limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
         self.proc: subprocess.Popen | None = None
         self.current: str | None = None
         self.targets: dict[str, dict] = {}
@@ -135,8 +146,7 @@ class HTTPBackend:
         log_path = (self.log_dir or Path(".")) / f"server-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until stopped
         try:
-            self.proc = subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except (OSError, ValueError) as exc:
             raise SpecwiseError(f"--launch for {name!r}: cannot start {cmd!r} ({exc})") from None
         finally:
@@ -146,8 +156,10 @@ class HTTPBackend:
             if self.proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-1500:]
                 self.proc = None
-                raise SpecwiseError(f"--launch for {name!r}: the server exited before it was healthy; its log "
-                                    f"({log_path}) ends:\n{tail}")
+                raise SpecwiseError(
+                    f"--launch for {name!r}: the server exited before it was healthy; its log "
+                    f"({log_path}) ends:\n{tail}"
+                )
             try:
                 if self._get("/health").status_code == 200:
                     break
@@ -156,16 +168,19 @@ class HTTPBackend:
             time.sleep(0.5)
         else:
             self.stop()
-            raise SpecwiseError(f"--launch for {name!r}: {self.base}/health did not answer 200 within "
-                                f"{self.launch_timeout:.0f} s")
+            raise SpecwiseError(
+                f"--launch for {name!r}: {self.base}/health did not answer 200 within {self.launch_timeout:.0f} s"
+            )
         self.current = name
         self._discover_model()
         self.targets[name] = self.target
         first = next(iter(self.targets.values()))
         if json.dumps(self.target, sort_keys=True) != json.dumps(first, sort_keys=True):
             self.stop()
-            raise SpecwiseError(f"configuration {name!r} serves another target ({self.target}) than the first "
-                                f"({first}): a paired comparison needs the same target")
+            raise SpecwiseError(
+                f"configuration {name!r} serves another target ({self.target}) than the first "
+                f"({first}): a paired comparison needs the same target"
+            )
         self._warm(name)
 
     def stop(self) -> None:
@@ -196,9 +211,12 @@ class HTTPBackend:
 
     def info(self) -> dict:
         target = getattr(self, "target", None) or {"name": self.model, "endpoint": self.base}
-        return {"target": target, "hardware": {**hardware(), "endpoint": self.base, "measured_from": "client"},
-                "configs": {n: {"launch": c.launch, "options": c.options} for n, c in self.configs.items()},
-                "backend": "http"}
+        return {
+            "target": target,
+            "hardware": {**hardware(), "endpoint": self.base, "measured_from": "client"},
+            "configs": {n: {"launch": c.launch, "options": c.options} for n, c in self.configs.items()},
+            "backend": "http",
+        }
 
     def warm_up(self) -> None:
         if not self.launching:
@@ -209,8 +227,14 @@ class HTTPBackend:
         req = Request("warm-up", [], 0, 0, "Hello, world. Hello", 8)
         self._one(name, req, time.perf_counter())
 
-    def run(self, config: str, load: Load, requests: list[Request], on_record: Callable[[Record], None],
-            progress: Callable[[], None] | None = None) -> Phase:
+    def run(
+        self,
+        config: str,
+        load: Load,
+        requests: list[Request],
+        on_record: Callable[[Record], None],
+        progress: Callable[[], None] | None = None,
+    ) -> Phase:
         """Run one phase, each request streamed on a thread of its own; records reach `on_record` on this thread."""
         self._ensure(config)
         before = self._counters()
@@ -269,8 +293,15 @@ class HTTPBackend:
     def _one(self, config: str, req: Request, t0: float) -> dict:
         """Stream one request; returns text, chunk arrival times, finish reason, usage and spec statistics."""
         chat = isinstance(req.prompt, list)
-        body = {"model": self.model, "max_tokens": req.max_tokens, "temperature": self.temperature, "seed": req.seed,
-                "stream": True, "stream_options": {"include_usage": True}, **(self.configs[config].options or {})}
+        body = {
+            "model": self.model,
+            "max_tokens": req.max_tokens,
+            "temperature": self.temperature,
+            "seed": req.seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(self.configs[config].options or {}),
+        }
         body["messages" if chat else "prompt"] = req.prompt
         url = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
         text, chunks, finish, usage, spec = [], [], None, None, None
@@ -301,8 +332,14 @@ class HTTPBackend:
                         finish = choice.get("finish_reason") or finish
         except httpx.HTTPError as exc:
             raise SpecwiseError(f"request to {url} failed: {type(exc).__name__}: {exc}") from None
-        return {"text": "".join(text), "chunks": chunks, "finish_reason": finish, "usage": usage, "spec": spec,
-                "finished": time.perf_counter()}
+        return {
+            "text": "".join(text),
+            "chunks": chunks,
+            "finish_reason": finish,
+            "usage": usage,
+            "spec": spec,
+            "finished": time.perf_counter(),
+        }
 
 
 def _error_message(obj) -> str:

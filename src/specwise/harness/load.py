@@ -40,8 +40,10 @@ def parse_load(text: str) -> Load:
     except ValueError:
         v = -1.0
     if kind not in KINDS or v <= 0 or (kind == "concurrent" and v != int(v)):
-        raise SpecwiseError(f"load {text!r} is not allowed: write concurrent@N (N a whole number ≥ 1) or "
-                            "poisson@R (R requests per second > 0)")
+        raise SpecwiseError(
+            f"load {text!r} is not allowed: write concurrent@N (N a whole number ≥ 1) or "
+            "poisson@R (R requests per second > 0)"
+        )
     return Load(kind, v)
 
 

@@ -32,42 +32,58 @@ def console_summary(run: Run) -> str:
     prov = run.provenance
     target = prov.get("target", {})
     lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.get('specwise_version')}")
-    lines.append(f"target {target.get('name')} (sha256 {str(target.get('sha256'))[:12]}…)  "
-                 f"hardware {prov.get('hardware', {}).get('cpu')} ×{prov.get('hardware', {}).get('cpu_threads')}")
+    lines.append(
+        f"target {target.get('name')} (sha256 {str(target.get('sha256'))[:12]}…)  "
+        f"hardware {prov.get('hardware', {}).get('cpu')} ×{prov.get('hardware', {}).get('cpu_threads')}"
+    )
     lines.append("")
-    lines.append(f"{'config':>22} {'load':>14} {'group':>12} {'n':>3} {'E2E speedup [95% CI]':>24} "
-                 f"{'decode ×':>8} {'valid b→s':>11} {'mismatch':>8}")
+    lines.append(
+        f"{'config':>22} {'load':>14} {'group':>12} {'n':>3} {'E2E speedup [95% CI]':>24} "
+        f"{'decode ×':>8} {'valid b→s':>11} {'mismatch':>8}"
+    )
     for c in a.comparisons:
         e, d = c.e2e_speedup, c.decode_speedup
-        lines.append(f"{c.config:>22} {c.load:>14} {c.group:>12} {c.n:>3} "
-                     f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
-                     f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}")
+        lines.append(
+            f"{c.config:>22} {c.load:>14} {c.group:>12} {c.n:>3} "
+            f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
+            f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}"
+        )
     lines.append("")
-    lines.append(f"{'config':>22} {'load':>14} {'group':>12} {'E2E p50':>8} {'p90':>7} {'p99':>7} {'TTFT p50':>8} "
-                 f"{'TPOT p50':>8} {'accept':>6} {'MAL':>5} {'draft%':>6} {'goodput/s':>9}")
+    lines.append(
+        f"{'config':>22} {'load':>14} {'group':>12} {'E2E p50':>8} {'p90':>7} {'p99':>7} {'TTFT p50':>8} "
+        f"{'TPOT p50':>8} {'accept':>6} {'MAL':>5} {'draft%':>6} {'goodput/s':>9}"
+    )
     for row in a.table:
-        lines.append(f"{row.config:>22} {row.load:>14} {row.group:>12} {_fmt(row.e2e.p50, '.2f'):>8} "
-                     f"{_fmt(row.e2e.p90, '.2f'):>7} {_fmt(row.e2e.p99, '.2f'):>7} "
-                     f"{_fmt(row.ttft.p50):>8} {_fmt(row.tpot.p50):>8} "
-                     f"{_fmt(row.acceptance_rate, '.2f'):>6} {_fmt(row.mean_acceptance_length, '.2f'):>5} "
-                     f"{_fmt(row.drafting_share and 100 * row.drafting_share, '.1f'):>6} "
-                     f"{_fmt(row.goodput, '.3f'):>9}")
+        lines.append(
+            f"{row.config:>22} {row.load:>14} {row.group:>12} {_fmt(row.e2e.p50, '.2f'):>8} "
+            f"{_fmt(row.e2e.p90, '.2f'):>7} {_fmt(row.e2e.p99, '.2f'):>7} "
+            f"{_fmt(row.ttft.p50):>8} {_fmt(row.tpot.p50):>8} "
+            f"{_fmt(row.acceptance_rate, '.2f'):>6} {_fmt(row.mean_acceptance_length, '.2f'):>5} "
+            f"{_fmt(row.drafting_share and 100 * row.drafting_share, '.1f'):>6} "
+            f"{_fmt(row.goodput, '.3f'):>9}"
+        )
     if run.server_counters:
         lines.append("")
         lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")
         lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
         for key, deltas in run.server_counters.items():
             # vLLM's counters: a draft is one verification step that was given draft tokens
-            sc = SpecCounts(steps=round(sum(d["num_drafts"] for d in deltas)),
-                            drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
-                            accepted=round(sum(d["num_accepted_tokens"] for d in deltas)))
-            lines.append(f"{key:>38} {sc.steps:>8} {sc.drafted:>9} {sc.accepted:>9} "
-                         f"{_fmt(sc.acceptance_rate, '.2f'):>6} {_fmt(sc.mean_acceptance_length, '.2f'):>5}")
+            sc = SpecCounts(
+                steps=round(sum(d["num_drafts"] for d in deltas)),
+                drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
+                accepted=round(sum(d["num_accepted_tokens"] for d in deltas)),
+            )
+            lines.append(
+                f"{key:>38} {sc.steps:>8} {sc.drafted:>9} {sc.accepted:>9} "
+                f"{_fmt(sc.acceptance_rate, '.2f'):>6} {_fmt(sc.mean_acceptance_length, '.2f'):>5}"
+            )
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
             lines.append("")
-            lines.append(f"VERDICT for {config} ({'concurrency' if kind == 'concurrent' else 'arrival rate'}): "
-                         f"{v.headline(load_name(kind))}")
+            lines.append(
+                f"VERDICT for {config} ({'concurrency' if kind == 'concurrent' else 'arrival rate'}): "
+                f"{v.headline(load_name(kind))}"
+            )
             lines += [f"  [{'ok' if cl.ok else '!!'}] {cl.text}" for cl in v.clauses]
     return "\n".join(lines)
 
@@ -84,19 +100,25 @@ def plots(run: Run) -> dict[str, str]:
         load = parse_load(row.load)
         if row.e2e.p50 is not None and row.group == first:
             series.setdefault(f"{row.config} ({load.kind})", []).append((load.value, row.e2e.p50))
-    out["latency_vs_load"] = svgplot.line_chart(f"E2E p50 against load (group {first or '-'})", series,
-                                                "concurrency / rate", "seconds")
+    out["latency_vs_load"] = svgplot.line_chart(
+        f"E2E p50 against load (group {first or '-'})", series, "concurrency / rate", "seconds"
+    )
     spec_rows = [r for r in a.table if r.config != a.baseline]
     accs = [x for r in spec_rows if r.group == first for x in r.per_request_acceptance]
-    out["acceptance_histogram"] = svgplot.histogram("Per-request acceptance rate (speculative)", accs,
-                                                    x_label="acceptance rate")
+    out["acceptance_histogram"] = svgplot.histogram(
+        "Per-request acceptance rate (speculative)", accs, x_label="acceptance rate"
+    )
     by_pos: dict[int, list[float]] = {}
     for r in spec_rows:
         for i, v in enumerate(r.acceptance_by_position):
             by_pos.setdefault(i, []).append(v)
     out["acceptance_by_position"] = svgplot.bar_chart(
-        "Acceptance by draft position", [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())],
-        "position", "acceptance", y_max=1.0)
+        "Acceptance by draft position",
+        [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())],
+        "position",
+        "acceptance",
+        y_max=1.0,
+    )
     pts: dict[str, list[tuple[float, float]]] = {}
     for rec in run.records:
         if rec.error is None and rec.ttft is not None and rec.e2e is not None:
@@ -113,19 +135,46 @@ def html_report(run: Run) -> str:
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
             items = "".join(f'<li class="{"ok" if c.ok else "bad"}">{escape(c.text)}</li>' for c in v.clauses)
-            verdicts += (f'<section class="verdict {v.decision}"><h2>{escape(config)}: '
-                         f'{escape(v.headline(load_name(kind)))}</h2><ul>{items}</ul></section>')
-    head = ["config", "load", "group", "n", "E2E speedup", "95% CI", "decode speedup", "valid base", "valid spec",
-            "mismatches"]
+            verdicts += (
+                f'<section class="verdict {v.decision}"><h2>{escape(config)}: '
+                f"{escape(v.headline(load_name(kind)))}</h2><ul>{items}</ul></section>"
+            )
+    head = [
+        "config",
+        "load",
+        "group",
+        "n",
+        "E2E speedup",
+        "95% CI",
+        "decode speedup",
+        "valid base",
+        "valid spec",
+        "mismatches",
+    ]
     rows = "".join(
-        "<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in (
-            c.config, c.load, c.group, c.n, f"{c.e2e_speedup.value:.2f}x",
-            f"{c.e2e_speedup.lo:.2f}–{c.e2e_speedup.hi:.2f}", _fmt(c.decode_speedup and c.decode_speedup.value, ".2f"),
-            f"{c.validation_base:.0%}", f"{c.validation_spec:.0%}", len(c.mismatches))) + "</tr>"
-        for c in a.comparisons)
+        "<tr>"
+        + "".join(
+            f"<td>{escape(str(x))}</td>"
+            for x in (
+                c.config,
+                c.load,
+                c.group,
+                c.n,
+                f"{c.e2e_speedup.value:.2f}x",
+                f"{c.e2e_speedup.lo:.2f}–{c.e2e_speedup.hi:.2f}",
+                _fmt(c.decode_speedup and c.decode_speedup.value, ".2f"),
+                f"{c.validation_base:.0%}",
+                f"{c.validation_spec:.0%}",
+                len(c.mismatches),
+            )
+        )
+        + "</tr>"
+        for c in a.comparisons
+    )
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
-    provenance = escape(json.dumps({k: prov.get(k) for k in ("specwise_version", "target", "configs", "hardware")},
-                                   indent=2))
+    provenance = escape(
+        json.dumps({k: prov.get(k) for k in ("specwise_version", "target", "configs", "hardware")}, indent=2)
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>specwise report</title><style>
 body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
 figure{{display:inline-block;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
@@ -135,26 +184,63 @@ table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;pad
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
-configurations {escape(', '.join(a.configs))}, loads {escape(', '.join(a.loads))}.</p>
+configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
 {verdicts}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 
 def to_json(run: Run) -> str:
-    return json.dumps({"plan": run.plan_meta, "provenance": run.provenance, "fingerprint": run.fingerprint,
-                       "analysis": run.analysed.to_dict(), "records": [asdict(r) for r in run.records]}, indent=2)
+    return json.dumps(
+        {
+            "plan": run.plan_meta,
+            "provenance": run.provenance,
+            "fingerprint": run.fingerprint,
+            "analysis": run.analysed.to_dict(),
+            "records": [asdict(r) for r in run.records],
+        },
+        indent=2,
+    )
 
 
 def to_csv(run: Run) -> str:
     buf = io.StringIO()
-    fields = ["config", "load", "task_id", "repeat", "groups", "prompt_tokens", "output_tokens", "ttft", "e2e",
-              "prefill", "decode", "drafted", "accepted", "passed", "error"]
+    fields = [
+        "config",
+        "load",
+        "task_id",
+        "repeat",
+        "groups",
+        "prompt_tokens",
+        "output_tokens",
+        "ttft",
+        "e2e",
+        "prefill",
+        "decode",
+        "drafted",
+        "accepted",
+        "passed",
+        "error",
+    ]
     w = csv.DictWriter(buf, fieldnames=fields)
     w.writeheader()
     for r in run.records:
-        w.writerow({"config": r.config, "load": r.load, "task_id": r.task_id, "repeat": r.repeat,
-                    "groups": "|".join(r.groups), "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-                    "ttft": r.ttft, "e2e": r.e2e, "prefill": r.prefill, "decode": r.decode,
-                    "drafted": r.spec.get("drafted"), "accepted": r.spec.get("accepted"), "passed": r.passed,
-                    "error": r.error})
+        w.writerow(
+            {
+                "config": r.config,
+                "load": r.load,
+                "task_id": r.task_id,
+                "repeat": r.repeat,
+                "groups": "|".join(r.groups),
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "ttft": r.ttft,
+                "e2e": r.e2e,
+                "prefill": r.prefill,
+                "decode": r.decode,
+                "drafted": r.spec.get("drafted"),
+                "accepted": r.spec.get("accepted"),
+                "passed": r.passed,
+                "error": r.error,
+            }
+        )
     return buf.getvalue()

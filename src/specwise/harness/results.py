@@ -36,9 +36,17 @@ class StoredPlan:
     @classmethod
     def from_meta(cls, meta: dict) -> StoredPlan:
         w = meta["workload"]
-        return cls(w["name"], w.get("source"), [(t, n) for t, n in w["tasks"]],
-                   [Config.from_dict(c) for c in meta["configs"]], [parse_load(ld) for ld in meta["loads"]],
-                   meta["repeats"], meta["seed"], meta["temperature"], meta.get("model"))
+        return cls(
+            w["name"],
+            w.get("source"),
+            [(t, n) for t, n in w["tasks"]],
+            [Config.from_dict(c) for c in meta["configs"]],
+            [parse_load(ld) for ld in meta["loads"]],
+            meta["repeats"],
+            meta["seed"],
+            meta["temperature"],
+            meta.get("model"),
+        )
 
     @property
     def baseline(self) -> Config:
@@ -139,10 +147,20 @@ def read_run(path: str | Path) -> Run:
         meta = store.get_meta("plan")
         if meta is None:
             raise SpecwiseError(f"{path}: no run in this results file")
-        verdicts = {c: {k: Verdict.from_dict(v) for k, v in by_kind.items()}
-                    for c, by_kind in (store.get_meta("verdicts") or {}).items()}
-        return Run(str(path), StoredPlan.from_meta(meta), meta, store.get_meta("provenance") or {},
-                   store.get_meta("fingerprint"), store.records(), store.get_meta("phase_seconds") or {},
-                   store.get_meta("server_counters") or {}, verdicts)
+        verdicts = {
+            c: {k: Verdict.from_dict(v) for k, v in by_kind.items()}
+            for c, by_kind in (store.get_meta("verdicts") or {}).items()
+        }
+        return Run(
+            str(path),
+            StoredPlan.from_meta(meta),
+            meta,
+            store.get_meta("provenance") or {},
+            store.get_meta("fingerprint"),
+            store.records(),
+            store.get_meta("phase_seconds") or {},
+            store.get_meta("server_counters") or {},
+            verdicts,
+        )
     finally:
         store.close()

@@ -50,11 +50,17 @@ class Plan:
     def to_meta(self) -> dict:
         """Everything that defines the comparison (what `--resume` must find unchanged)."""
         return {
-            "workload": {"name": self.workload.name, "source": self.workload.source,
-                         "tasks": [[t.id, self.max_tokens(t)] for t in self.workload.tasks]},
+            "workload": {
+                "name": self.workload.name,
+                "source": self.workload.source,
+                "tasks": [[t.id, self.max_tokens(t)] for t in self.workload.tasks],
+            },
             "configs": [c.to_dict() for c in self.configs],
             "loads": [ld.name for ld in self.loads],
-            "repeats": self.repeats, "seed": self.seed, "temperature": self.temperature, "model": self.model,
+            "repeats": self.repeats,
+            "seed": self.seed,
+            "temperature": self.temperature,
+            "model": self.model,
         }
 
     def fingerprint(self) -> str:
@@ -69,8 +75,10 @@ def check_comparable(per_config: dict[str, dict]) -> None:
         values = {n: json.dumps(per_config[n].get(f), sort_keys=True) for n in names}
         if len(set(values.values())) > 1:
             detail = "; ".join(f"{n}: {json.loads(v)}" for n, v in values.items())
-            raise SpecwiseError(f"the configurations differ in {f} ({detail}): a paired comparison needs the same "
-                                "target, prompts, output limits, sampling and hardware")
+            raise SpecwiseError(
+                f"the configurations differ in {f} ({detail}): a paired comparison needs the same "
+                "target, prompts, output limits, sampling and hardware"
+            )
 
 
 def check_store(plan: Plan, store: Store, resume: bool) -> None:
@@ -81,25 +89,40 @@ def check_store(plan: Plan, store: Store, resume: bool) -> None:
             raise SpecwiseError(f"{store.path}: nothing to resume (no run in this file); drop --resume")
         if stored != meta:
             diff = sorted(k for k in meta if meta[k] != stored.get(k))
-            raise SpecwiseError(f"{store.path} holds a different run (differs in: {', '.join(diff)}); resume it "
-                                "with the same settings, or write to a new file")
+            raise SpecwiseError(
+                f"{store.path} holds a different run (differs in: {', '.join(diff)}); resume it "
+                "with the same settings, or write to a new file"
+            )
     elif stored is not None or done:
-        raise SpecwiseError(f"{store.path} already holds a run ({len(done)} requests): pass --resume to continue "
-                            "it, or choose another output file")
+        raise SpecwiseError(
+            f"{store.path} already holds a run ({len(done)} requests): pass --resume to continue "
+            "it, or choose another output file"
+        )
 
 
-def run(plan: Plan, store: Store, backend: Backend, resume: bool = False, show_progress: bool = True,
-        chunk: int | None = None) -> None:
+def run(
+    plan: Plan,
+    store: Store,
+    backend: Backend,
+    resume: bool = False,
+    show_progress: bool = True,
+    chunk: int | None = None,
+) -> None:
     """Measure every (configuration, load, task, repeat) not yet in the store."""
     check_store(plan, store, resume)
     meta = plan.to_meta()
     done = store.done_keys()
     info = backend.info()
-    per_config = {c.name: {"target": info["target"], "hardware": info["hardware"],
-                           "prompts": [t.id for t in plan.workload.tasks],
-                           "max_tokens": [plan.max_tokens(t) for t in plan.workload.tasks],
-                           "sampling": {"temperature": plan.temperature, "seed": plan.seed}}
-                  for c in plan.configs}
+    per_config = {
+        c.name: {
+            "target": info["target"],
+            "hardware": info["hardware"],
+            "prompts": [t.id for t in plan.workload.tasks],
+            "max_tokens": [plan.max_tokens(t) for t in plan.workload.tasks],
+            "sampling": {"temperature": plan.temperature, "seed": plan.seed},
+        }
+        for c in plan.configs
+    }
     check_comparable(per_config)
     store.set_meta("plan", meta)
     store.set_meta("fingerprint", plan.fingerprint())
@@ -107,8 +130,14 @@ def run(plan: Plan, store: Store, backend: Backend, resume: bool = False, show_p
     store.set_meta("verdicts", None)  # stored by evaluate once the run is complete and analysed
     phases = store.get_meta("phase_seconds") or {}
     tasks = {t.id: t for t in plan.workload.tasks}
-    todo = [(c, ld, t, r) for ld in plan.loads for r in range(plan.repeats) for t in plan.workload.tasks
-            for c in plan.configs if (c.name, ld.name, t.id, r) not in done]
+    todo = [
+        (c, ld, t, r)
+        for ld in plan.loads
+        for r in range(plan.repeats)
+        for t in plan.workload.tasks
+        for c in plan.configs
+        if (c.name, ld.name, t.id, r) not in done
+    ]
     if not todo:
         return
     bar = _progress(len(todo), show_progress)
@@ -131,13 +160,17 @@ def run(plan: Plan, store: Store, backend: Backend, resume: bool = False, show_p
         for rep in range(plan.repeats):
             ordered = plan.workload.tasks
             for start in range(0, len(ordered), size):
-                part = ordered[start:start + size]
+                part = ordered[start : start + size]
                 configs = plan.configs[::-1] if flip else plan.configs
                 flip = not flip
                 for c in configs:
-                    reqs = [Request(t.id, list(t.groups), rep, plan.seed + 1000 * rep + i + start, t.request,
-                                    plan.max_tokens(t))
-                            for i, t in enumerate(part) if (c.name, load.name, t.id, rep) not in done]
+                    reqs = [
+                        Request(
+                            t.id, list(t.groups), rep, plan.seed + 1000 * rep + i + start, t.request, plan.max_tokens(t)
+                        )
+                        for i, t in enumerate(part)
+                        if (c.name, load.name, t.id, rep) not in done
+                    ]
                     if not reqs:
                         continue
                     if bar is not None:

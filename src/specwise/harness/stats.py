@@ -53,8 +53,13 @@ class Interval:
         return {"value": self.value, "lo": self.lo, "hi": self.hi, "n": self.n}
 
 
-def speedup_ci(baseline: Sequence[float], speculative: Sequence[float], confidence: float = 0.95,
-               resamples: int = 2000, seed: int = 0) -> Interval | None:
+def speedup_ci(
+    baseline: Sequence[float],
+    speculative: Sequence[float],
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> Interval | None:
     """Paired speedup sum(baseline)/sum(speculative) with a percentile-bootstrap interval over tasks."""
     base = np.asarray(baseline, dtype=float)
     spec = np.asarray(speculative, dtype=float)

@@ -82,9 +82,11 @@ class Store:
                 version = self.get_meta("schema_version") if "meta" in tables else None
                 if version is not None and version != SCHEMA_VERSION:
                     self.db.close()
-                    raise SpecwiseError(f"{self.path}: results schema version {version}; this specwise reads "
-                                        f"version {SCHEMA_VERSION} (re-run the evaluation, or use the specwise "
-                                        "that wrote it)")
+                    raise SpecwiseError(
+                        f"{self.path}: results schema version {version}; this specwise reads "
+                        f"version {SCHEMA_VERSION} (re-run the evaluation, or use the specwise "
+                        "that wrote it)"
+                    )
                 if not {"meta", "requests"} <= tables:
                     self.db.close()
                     raise SpecwiseError(f"{self.path} is not a specwise results file (run.db of `specwise evaluate`)")
@@ -94,8 +96,10 @@ class Store:
         if version is None and create:
             self.set_meta("schema_version", SCHEMA_VERSION)
         elif version != SCHEMA_VERSION:
-            raise SpecwiseError(f"{self.path}: results schema version {version}; this specwise reads version "
-                                f"{SCHEMA_VERSION} (re-run the evaluation, or use the specwise that wrote it)")
+            raise SpecwiseError(
+                f"{self.path}: results schema version {version}; this specwise reads version "
+                f"{SCHEMA_VERSION} (re-run the evaluation, or use the specwise that wrote it)"
+            )
 
     def get_meta(self, key: str):
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -113,8 +117,9 @@ class Store:
         row["passed"] = None if r.passed is None else int(r.passed)
         cols = ", ".join(row)
         with self.db:
-            self.db.execute(f"INSERT OR REPLACE INTO requests ({cols}) VALUES ({', '.join('?' * len(row))})",
-                            tuple(row.values()))
+            self.db.execute(
+                f"INSERT OR REPLACE INTO requests ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
+            )
 
     def done_keys(self) -> set[tuple[str, str, str, int]]:
         return set(self.db.execute("SELECT config, load, task_id, repeat FROM requests").fetchall())

@@ -23,33 +23,40 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _frame(title: str, body: str, x_label: str = "", y_label: str = "") -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
-            f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
-            f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>'
-            f'{body}<text x="{(L + W - R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
-            f'{escape(x_label)}</text>'
-            f'<text x="12" y="{(T + H - B) / 2}" font-size="11" transform="rotate(-90 12 {(T + H - B) / 2})" '
-            f'text-anchor="middle">{escape(y_label)}</text></svg>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
+        f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>'
+        f'{body}<text x="{(L + W - R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
+        f"{escape(x_label)}</text>"
+        f'<text x="12" y="{(T + H - B) / 2}" font-size="11" transform="rotate(-90 12 {(T + H - B) / 2})" '
+        f'text-anchor="middle">{escape(y_label)}</text></svg>'
+    )
 
 
 def _xaxis(lo: float, hi: float, sx) -> str:
     out = [f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="#333"/>']
     for t in _ticks(lo, hi):
-        out.append(f'<line x1="{sx(t):.1f}" y1="{H - B}" x2="{sx(t):.1f}" y2="{H - B + 4}" stroke="#333"/>'
-                   f'<text x="{sx(t):.1f}" y="{H - B + 16}" text-anchor="middle" font-size="10">{t:g}</text>')
+        out.append(
+            f'<line x1="{sx(t):.1f}" y1="{H - B}" x2="{sx(t):.1f}" y2="{H - B + 4}" stroke="#333"/>'
+            f'<text x="{sx(t):.1f}" y="{H - B + 16}" text-anchor="middle" font-size="10">{t:g}</text>'
+        )
     return "".join(out)
 
 
 def _yaxis(lo: float, hi: float, sy) -> str:
     out = [f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="#333"/>']
     for t in _ticks(lo, hi):
-        out.append(f'<line x1="{L - 4}" y1="{sy(t):.1f}" x2="{L}" y2="{sy(t):.1f}" stroke="#333"/>'
-                   f'<text x="{L - 6}" y="{sy(t) + 3:.1f}" text-anchor="end" font-size="10">{t:g}</text>')
+        out.append(
+            f'<line x1="{L - 4}" y1="{sy(t):.1f}" x2="{L}" y2="{sy(t):.1f}" stroke="#333"/>'
+            f'<text x="{L - 6}" y="{sy(t) + 3:.1f}" text-anchor="end" font-size="10">{t:g}</text>'
+        )
     return "".join(out)
 
 
-def interval_chart(title: str, rows: list[tuple[str, float, float, float]], reference: float = 1.0,
-                   x_label: str = "") -> str:
+def interval_chart(
+    title: str, rows: list[tuple[str, float, float, float]], reference: float = 1.0, x_label: str = ""
+) -> str:
     """One row per label: a dot at the value and a whisker from lo to hi; a dashed line at `reference`."""
     if not rows:
         return _frame(title, '<text x="50%" y="50%" text-anchor="middle">no data</text>')
@@ -57,19 +64,23 @@ def interval_chart(title: str, rows: list[tuple[str, float, float, float]], refe
     hi = max(max(r[3] for r in rows), reference) * 1.05
     sx = lambda v: L + (v - lo) / (hi - lo) * (W - L - R)  # noqa: E731
     band = (H - T - B) / len(rows)
-    out = [_xaxis(lo, hi, sx), f'<line x1="{sx(reference):.1f}" y1="{T}" x2="{sx(reference):.1f}" y2="{H - B}" '
-                               'stroke="#999" stroke-dasharray="4 3"/>']
+    out = [
+        _xaxis(lo, hi, sx),
+        f'<line x1="{sx(reference):.1f}" y1="{T}" x2="{sx(reference):.1f}" y2="{H - B}" '
+        'stroke="#999" stroke-dasharray="4 3"/>',
+    ]
     for i, (label, v, a, b) in enumerate(rows):
         y = T + band * (i + 0.5)
         color = COLORS[0] if a > reference else (COLORS[3] if b < reference else "#888")
-        out.append(f'<text x="{L - 6}" y="{y + 3:.1f}" text-anchor="end" font-size="10">{escape(label)}</text>'
-                   f'<line x1="{sx(a):.1f}" y1="{y:.1f}" x2="{sx(b):.1f}" y2="{y:.1f}" stroke="{color}" '
-                   f'stroke-width="2"/><circle cx="{sx(v):.1f}" cy="{y:.1f}" r="4" fill="{color}"/>')
+        out.append(
+            f'<text x="{L - 6}" y="{y + 3:.1f}" text-anchor="end" font-size="10">{escape(label)}</text>'
+            f'<line x1="{sx(a):.1f}" y1="{y:.1f}" x2="{sx(b):.1f}" y2="{y:.1f}" stroke="{color}" '
+            f'stroke-width="2"/><circle cx="{sx(v):.1f}" cy="{y:.1f}" r="4" fill="{color}"/>'
+        )
     return _frame(title, "".join(out), x_label)
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "",
-               y_label: str = "") -> str:
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "", y_label: str = "") -> str:
     pts = [p for s in series.values() for p in s]
     if not pts:
         return _frame(title, '<text x="50%" y="50%" text-anchor="middle">no data</text>')
@@ -84,8 +95,10 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in sorted(s))
         out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{c}"/>' for x, y in s]
-        out.append(f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
-                   f'fill="{c}">{escape(name)}</text>')
+        out.append(
+            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
+            f'fill="{c}">{escape(name)}</text>'
+        )
     return _frame(title, "".join(out), x_label, y_label)
 
 
@@ -101,13 +114,16 @@ def scatter(title: str, series: dict[str, list[tuple[float, float]]], x_label: s
     for i, (name, s) in enumerate(series.items()):
         c = COLORS[i % len(COLORS)]
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{c}" fill-opacity="0.7"/>' for x, y in s]
-        out.append(f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
-                   f'fill="{c}">{escape(name)}</text>')
+        out.append(
+            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
+            f'fill="{c}">{escape(name)}</text>'
+        )
     return _frame(title, "".join(out), x_label, y_label)
 
 
-def bar_chart(title: str, bars: list[tuple[str, float]], x_label: str = "", y_label: str = "",
-              y_max: float | None = None) -> str:
+def bar_chart(
+    title: str, bars: list[tuple[str, float]], x_label: str = "", y_label: str = "", y_max: float | None = None
+) -> str:
     if not bars:
         return _frame(title, '<text x="50%" y="50%" text-anchor="middle">no data</text>')
     top = y_max or (max(v for _, v in bars) * 1.1 or 1.0)
@@ -116,14 +132,17 @@ def bar_chart(title: str, bars: list[tuple[str, float]], x_label: str = "", y_la
     out = [_yaxis(0, top, sy), f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="#333"/>']
     for i, (label, v) in enumerate(bars):
         x = L + i * width
-        out.append(f'<rect x="{x + 2:.1f}" y="{sy(v):.1f}" width="{width - 4:.1f}" height="{H - B - sy(v):.1f}" '
-                   f'fill="{COLORS[0]}"/><text x="{x + width / 2:.1f}" y="{H - B + 14}" text-anchor="middle" '
-                   f'font-size="10">{escape(label)}</text>')
+        out.append(
+            f'<rect x="{x + 2:.1f}" y="{sy(v):.1f}" width="{width - 4:.1f}" height="{H - B - sy(v):.1f}" '
+            f'fill="{COLORS[0]}"/><text x="{x + width / 2:.1f}" y="{H - B + 14}" text-anchor="middle" '
+            f'font-size="10">{escape(label)}</text>'
+        )
     return _frame(title, "".join(out), x_label, y_label)
 
 
-def histogram(title: str, values: list[float], bins: int = 10, lo: float = 0.0, hi: float = 1.0,
-              x_label: str = "") -> str:
+def histogram(
+    title: str, values: list[float], bins: int = 10, lo: float = 0.0, hi: float = 1.0, x_label: str = ""
+) -> str:
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, max(0, int((v - lo) / (hi - lo) * bins)))] += 1

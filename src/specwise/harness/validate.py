@@ -108,8 +108,9 @@ def check_validator(spec: object, where: str) -> dict:
         raise SpecwiseError(f"{where}: validator {kind!r} needs parameter(s) {missing}")
     extra = sorted(set(spec) - {"type", *required, *optional})
     if extra:
-        raise SpecwiseError(f"{where}: validator {kind!r} has unknown parameter(s) {extra} "
-                            f"(allowed: {sorted({*required, *optional})})")
+        raise SpecwiseError(
+            f"{where}: validator {kind!r} has unknown parameter(s) {extra} (allowed: {sorted({*required, *optional})})"
+        )
     if kind == "regex":
         try:
             re.compile(spec["pattern"])

@@ -57,8 +57,13 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, d: dict) -> Verdict:
-        return cls(d["decision"], d.get("threshold"), list(d.get("groups") or []),
-                   [Clause(c["ok"], c["text"]) for c in d.get("clauses") or []], bool(d.get("everywhere")))
+        return cls(
+            d["decision"],
+            d.get("threshold"),
+            list(d.get("groups") or []),
+            [Clause(c["ok"], c["text"]) for c in d.get("clauses") or []],
+            bool(d.get("everywhere")),
+        )
 
     def headline(self, load_name: str = "load") -> str:
         """One line saying what to do."""
@@ -67,10 +72,13 @@ class Verdict:
         if self.decision == CONDITIONAL:
             groups = ", ".join(self.groups)
             if self.everywhere:
-                return (f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
-                        f"{self.threshold:g}); no reliable gain shown for the other groups")
-            return (f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {self.threshold:g}; turn speculation off "
-                    "above it")
+                return (
+                    f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
+                    f"{self.threshold:g}); no reliable gain shown for the other groups"
+                )
+            return (
+                f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {self.threshold:g}; turn speculation off above it"
+            )
         return "REJECT — speculation does not pay off reliably here"
 
 
@@ -79,8 +87,13 @@ def load_name(kind: str) -> str:
     return "concurrency" if kind == "concurrent" else "rate"
 
 
-def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance: float = 0.0,
-           load_name: str = "load", min_n: int = 4) -> Verdict:
+def decide(
+    cells: list[Cell],
+    validation_tolerance: float = 0.0,
+    error_tolerance: float = 0.0,
+    load_name: str = "load",
+    min_n: int = 4,
+) -> Verdict:
     """Apply the adoption rule to the cells; every clause carries the numbers behind it."""
     if not cells:
         return Verdict(REJECT, clauses=[Clause(False, "no measurements to judge")])
@@ -89,8 +102,9 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
     for c in sorted(cells, key=lambda c: (c.group, c.load)):
         where = f"{c.group} @ {load_name} {c.load:g}"
         if c.validated_spec < c.validated_base - validation_tolerance:
-            clauses.append(Clause(False, f"{where}: validation fell from {c.validated_base:.0%} to "
-                                         f"{c.validated_spec:.0%}"))
+            clauses.append(
+                Clause(False, f"{where}: validation fell from {c.validated_base:.0%} to {c.validated_spec:.0%}")
+            )
             safe = False
         if c.errors_spec > c.errors_base + error_tolerance:
             clauses.append(Clause(False, f"{where}: errors rose from {c.errors_base:.1%} to {c.errors_spec:.1%}"))
@@ -110,9 +124,14 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
         verb = "wins" if c.lo > 1 else ("loses" if c.hi < 1 else "no clear difference")
         if c.n < min_n:
             verb += f", but too few paired tasks to count (n={c.n} < {min_n})"
-        clauses.append(Clause(wins[(c.group, c.load)], f"{c.group} @ {load_name} {c.load:g}: E2E speedup "
-                                                        f"{c.speedup:.2f}x [95% CI {c.lo:.2f}–{c.hi:.2f}, n={c.n}] — "
-                                                        f"{verb}"))
+        clauses.append(
+            Clause(
+                wins[(c.group, c.load)],
+                f"{c.group} @ {load_name} {c.load:g}: E2E speedup "
+                f"{c.speedup:.2f}x [95% CI {c.lo:.2f}–{c.hi:.2f}, n={c.n}] — "
+                f"{verb}",
+            )
+        )
     if not safe:
         return Verdict(REJECT, clauses=clauses)
     if all(wins.values()):
@@ -133,8 +152,13 @@ def decide(cells: list[Cell], validation_tolerance: float = 0.0, error_tolerance
     winners = sorted(thresholds)
     if winners and any(thresholds[g] < loads[-1] for g in winners):
         threshold = min(thresholds[g] for g in winners)
-        clauses.append(Clause(True, f"threshold: speculation wins for {', '.join(winners)} up to {load_name} "
-                                    f"{threshold:g} and not at every level above"))
+        clauses.append(
+            Clause(
+                True,
+                f"threshold: speculation wins for {', '.join(winners)} up to {load_name} "
+                f"{threshold:g} and not at every level above",
+            )
+        )
         return Verdict(CONDITIONAL, threshold, winners, clauses)
     if winners:  # some groups win everywhere, others never: adopt for those groups only
         clauses.append(Clause(True, f"speculation wins at every load for {', '.join(winners)} only"))

@@ -78,20 +78,21 @@ def load_workload(path: str | Path) -> Workload:
 def parse_workload(doc: object, source: str) -> Workload:
     """Check a workload document (already parsed) and build the tasks."""
     if not isinstance(doc, dict):
-        raise SpecwiseError(f"{source}: the top level must be a mapping with 'tasks' (and optionally 'name', "
-                            "'description', 'defaults')")
+        raise SpecwiseError(
+            f"{source}: the top level must be a mapping with 'tasks' (and optionally 'name', 'description', 'defaults')"
+        )
     unknown = sorted(set(doc) - {"name", "description", "defaults", "tasks"})
     if unknown:
-        raise SpecwiseError(f"{source}: unknown top-level field(s) {unknown} (allowed: name, description, "
-                            "defaults, tasks)")
+        raise SpecwiseError(
+            f"{source}: unknown top-level field(s) {unknown} (allowed: name, description, defaults, tasks)"
+        )
     defaults = doc.get("defaults") or {}
     if not isinstance(defaults, dict) or set(defaults) - (TASK_FIELDS - {"id", "prompt", "messages"}):
         raise SpecwiseError(f"{source}: 'defaults' may set only groups, max_tokens and validators")
     raw = doc.get("tasks")
     if not isinstance(raw, list) or not raw:
         raise SpecwiseError(f"{source}: 'tasks' must be a non-empty list of tasks")
-    tasks = [_task({**defaults, **t} if isinstance(t, dict) else t, f"{source}: tasks[{i}]")
-             for i, t in enumerate(raw)]
+    tasks = [_task({**defaults, **t} if isinstance(t, dict) else t, f"{source}: tasks[{i}]") for i, t in enumerate(raw)]
     ids = [t.id for t in tasks]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -118,11 +119,18 @@ def _task(t: object, where: str) -> Task:
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
         raise SpecwiseError(f"{where}: field 'prompt' must be a non-empty string")
     if messages is not None and not (
-        isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(
-                m.get("content"), str) for m in messages)):
-        raise SpecwiseError(f"{where}: field 'messages' must be a non-empty list of {{role: system|user|assistant, "
-                            "content: string}}")
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise SpecwiseError(
+            f"{where}: field 'messages' must be a non-empty list of {{role: system|user|assistant, content: string}}}}"
+        )
     max_tokens = t.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise SpecwiseError(f"{where}: field 'max_tokens' must be a whole number ≥ 1, got {max_tokens!r}")
@@ -133,8 +141,9 @@ def _task(t: object, where: str) -> Task:
     if not isinstance(validators, list):
         raise SpecwiseError(f"{where}: field 'validators' must be a list")
     checked = tuple(check_validator(v, f"{where} validators[{j}]") for j, v in enumerate(validators))
-    return Task(tid, tuple(groups) or ("all",), max_tokens, prompt,
-                tuple(messages) if messages is not None else None, checked)
+    return Task(
+        tid, tuple(groups) or ("all",), max_tokens, prompt, tuple(messages) if messages is not None else None, checked
+    )
 
 
 # --- the built-in release-note workload ---------------------------------------------------------------------
@@ -156,19 +165,35 @@ def builtin_workload(name: str = "release-notes") -> Workload:
         keys = [it["key"] for it in items]
         source = f"{version}\n{notes}"
         base = [{"type": "items_kept", "keys": keys}]
-        summary = (f"Engineering notes for release {version}:\n{notes}\n\nWrite a one-paragraph summary of this "
-                   "release for users. Mention every change and add nothing that is not in the notes.")
-        draft = (f"Engineering notes for release {version}:\n{notes}\n\nWrite the release notes in exactly this "
-                 f"format:\n## Release {version}\n### Summary\n(one sentence)\n### Changes\n(one bullet per note)\n"
-                 "Keep every note and add nothing that is not in the notes.")
-        tasks.append(Task(f"{ns['id']}/summary", (ns["familiarity"], size, "summary"), 96,
-                          messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": summary}),
-                          validators=(*base, {"type": "nothing_invented", "source": source},
-                                      {"type": "length", "max": 160})))
-        tasks.append(Task(f"{ns['id']}/draft", (ns["familiarity"], size, "draft"), min(48 + 20 * len(items), 192),
-                          messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": draft}),
-                          validators=({"type": "headings",
-                                       "required": [f"## Release {version}", "### Summary", "### Changes"]},
-                                      *base, {"type": "nothing_invented", "source": source,
-                                              "max_items": len(items)})))
+        summary = (
+            f"Engineering notes for release {version}:\n{notes}\n\nWrite a one-paragraph summary of this "
+            "release for users. Mention every change and add nothing that is not in the notes."
+        )
+        draft = (
+            f"Engineering notes for release {version}:\n{notes}\n\nWrite the release notes in exactly this "
+            f"format:\n## Release {version}\n### Summary\n(one sentence)\n### Changes\n(one bullet per note)\n"
+            "Keep every note and add nothing that is not in the notes."
+        )
+        tasks.append(
+            Task(
+                f"{ns['id']}/summary",
+                (ns["familiarity"], size, "summary"),
+                96,
+                messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": summary}),
+                validators=(*base, {"type": "nothing_invented", "source": source}, {"type": "length", "max": 160}),
+            )
+        )
+        tasks.append(
+            Task(
+                f"{ns['id']}/draft",
+                (ns["familiarity"], size, "draft"),
+                min(48 + 20 * len(items), 192),
+                messages=({"role": "system", "content": SYSTEM}, {"role": "user", "content": draft}),
+                validators=(
+                    {"type": "headings", "required": [f"## Release {version}", "### Summary", "### Changes"]},
+                    *base,
+                    {"type": "nothing_invented", "source": source, "max_items": len(items)},
+                ),
+            )
+        )
     return Workload(doc["name"], tasks, doc["description"], "builtin:release-notes")

@@ -48,8 +48,10 @@ def parse_window(text: str) -> float | None:
         return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd])", text.strip())
     if not m or float(m.group(1)) <= 0:
-        raise SpecwiseError(f"--window {text!r} does not parse: write a positive number with a unit s, m, h or d "
-                            "(e.g. 30m, 1h, 2d), or 'all'")
+        raise SpecwiseError(
+            f"--window {text!r} does not parse: write a positive number with a unit s, m, h or d "
+            "(e.g. 30m, 1h, 2d), or 'all'"
+        )
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -107,15 +109,19 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
     loads = run.plan.concurrency_levels()
     samples = [_sample(SpecCounts.from_dict(r.spec), r.prompt_tokens, r.output_tokens) for r in recs]
     base = Baseline(
-        path=path, config=chosen.name, target=prov.get("target") or {},
+        path=path,
+        config=chosen.name,
+        target=prov.get("target") or {},
         draft=(prov.get("configs", {}).get(chosen.name) or {}).get("draft_identity"),
         drafter=chosen.drafter,
         acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
-        prompt_tokens=[s["prompt"] for s in samples], output_tokens=[s["output"] for s in samples],
+        prompt_tokens=[s["prompt"] for s in samples],
+        output_tokens=[s["output"] for s in samples],
         max_load=max(loads) if loads else None,
         speedup_estimate=SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs).speedup_estimate,
-        speedups=[s["speedup"] for s in samples if s["speedup"] is not None])
+        speedups=[s["speedup"] for s in samples if s["speedup"] is not None],
+    )
     if key is not None:
         _BASELINES[key] = base
     return base
@@ -128,8 +134,13 @@ def _same_drafter(spec: str, name: str) -> bool:
 
 def _sample(c: SpecCounts, prompt_tokens: int, output_tokens: int) -> dict:
     """One request's figures; acceptance only for requests that drafted."""
-    return {"rate": c.acceptance_rate, "length": c.mean_acceptance_length if c.drafted else None,
-            "speedup": c.speedup_estimate, "prompt": float(prompt_tokens), "output": float(output_tokens)}
+    return {
+        "rate": c.acceptance_rate,
+        "length": c.mean_acceptance_length if c.drafted else None,
+        "speedup": c.speedup_estimate,
+        "prompt": float(prompt_tokens),
+        "output": float(output_tokens),
+    }
 
 
 def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> list[Row]:
@@ -138,38 +149,56 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
         raise SpecwiseError("the window holds no requests: widen --window, or send traffic first")
     rows = _revision_rows(base, entries)
     samples = [_sample(e.spec, e.prompt_tokens, e.output_tokens) for e in entries]
-    now = {"acceptance rate": [s["rate"] for s in samples if s["rate"] is not None],
-           "acceptance length": [s["length"] for s in samples if s["length"] is not None],
-           "prompt tokens": [s["prompt"] for s in samples], "output tokens": [s["output"] for s in samples]}
-    then = {"acceptance rate": base.acceptance_rate, "acceptance length": base.acceptance_length,
-            "prompt tokens": base.prompt_tokens, "output tokens": base.output_tokens}
+    now = {
+        "acceptance rate": [s["rate"] for s in samples if s["rate"] is not None],
+        "acceptance length": [s["length"] for s in samples if s["length"] is not None],
+        "prompt tokens": [s["prompt"] for s in samples],
+        "output tokens": [s["output"] for s in samples],
+    }
+    then = {
+        "acceptance rate": base.acceptance_rate,
+        "acceptance length": base.acceptance_length,
+        "prompt tokens": base.prompt_tokens,
+        "output tokens": base.output_tokens,
+    }
     level = alpha / (len(now) + 1)  # Bonferroni over the distribution tests and the speedup estimate's
     for metric in now:
         rows.append(_distribution_row(metric, then[metric], now[metric], level))
     if base.max_load is not None:
         beyond = sum(e.load > base.max_load for e in entries) / len(entries)
-        rows.append(Row(f"load > {base.max_load:g} (beyond evaluated)", "0%", f"{beyond:.0%}", f"{beyond:+.0%}",
-                        DRIFTED if beyond > BEYOND_SHARE else OK,
-                        f"{sum(e.load > base.max_load for e in entries)} of {len(entries)} requests"))
+        rows.append(
+            Row(
+                f"load > {base.max_load:g} (beyond evaluated)",
+                "0%",
+                f"{beyond:.0%}",
+                f"{beyond:+.0%}",
+                DRIFTED if beyond > BEYOND_SHARE else OK,
+                f"{sum(e.load > base.max_load for e in entries)} of {len(entries)} requests",
+            )
+        )
     est_now = SpecCounts.pooled(e.spec for e in entries).speedup_estimate
     if base.speedup_estimate is not None and est_now is not None:
         change = est_now / base.speedup_estimate - 1
         per_request = [s["speedup"] for s in samples if s["speedup"] is not None]
         metric = "speedup estimate (tokens/step × (1 − draft share))"
         rates = now["acceptance rate"]
-        rate_fell = bool(rates and base.acceptance_rate) and \
-            np.mean(base.acceptance_rate) - np.mean(rates) >= MIN_EFFECT["acceptance rate"]
+        rate_fell = (
+            bool(rates and base.acceptance_rate)
+            and np.mean(base.acceptance_rate) - np.mean(rates) >= MIN_EFFECT["acceptance rate"]
+        )
         tested = len(base.speedups) >= MIN_N and len(per_request) >= MIN_N
         ks = ks_two_sample(base.speedups, per_request) if tested else None
         verdict = DRIFTED if change < -SPEEDUP_DROP and (rate_fell or (ks is not None and ks["p"] < level)) else OK
-        detail = (f"KS D={ks['d']:.2f} p={ks['p']:.2g}; " if ks else "") + \
-            f"drift if it falls ≥ {SPEEDUP_DROP:g} with acceptance down ≥ {MIN_EFFECT['acceptance rate']:g}" + \
-            (f" or p < {level:.2g}" if ks else "")
-        rows.append(Row(metric, f"{base.speedup_estimate:.2f}", f"{est_now:.2f}", f"{change:+.0%}", verdict,
-                        detail))
+        detail = (
+            (f"KS D={ks['d']:.2f} p={ks['p']:.2g}; " if ks else "")
+            + f"drift if it falls ≥ {SPEEDUP_DROP:g} with acceptance down ≥ {MIN_EFFECT['acceptance rate']:g}"
+            + (f" or p < {level:.2g}" if ks else "")
+        )
+        rows.append(Row(metric, f"{base.speedup_estimate:.2f}", f"{est_now:.2f}", f"{change:+.0%}", verdict, detail))
     elif base.speedup_estimate is not None:
-        rows.append(Row("speedup estimate", f"{base.speedup_estimate:.2f}", "-", "-", OK,
-                        "no request in the window speculated"))
+        rows.append(
+            Row("speedup estimate", f"{base.speedup_estimate:.2f}", "-", "-", OK, "no request in the window speculated")
+        )
     return rows
 
 
@@ -178,20 +207,43 @@ def _revision_rows(base: Baseline, entries: list[LogEntry]) -> list[Row]:
     sha_then = base.target.get("sha256")
     shas = {e.target.get("sha256") for e in entries}
     changed = sorted((s for s in shas if s != sha_then), key=str)
-    rows.append(Row("target revision", _short(sha_then), ", ".join(_short(s) for s in sorted(shas, key=str)),
-                    "changed" if changed else "same", INVALID if changed else OK,
-                    f"target {base.target.get('name')} changed: the evaluation no longer applies" if changed else ""))
+    rows.append(
+        Row(
+            "target revision",
+            _short(sha_then),
+            ", ".join(_short(s) for s in sorted(shas, key=str)),
+            "changed" if changed else "same",
+            INVALID if changed else OK,
+            f"target {base.target.get('name')} changed: the evaluation no longer applies" if changed else "",
+        )
+    )
     drafts = {_draft_key(e.draft) for e in entries if e.speculative and e.draft}
     if base.draft is None:
-        rows.append(Row("draft revision", "-", ", ".join(sorted(drafts)) or "-", "-", OK,
-                        "the run did not record its draft's identity"))
+        rows.append(
+            Row(
+                "draft revision",
+                "-",
+                ", ".join(sorted(drafts)) or "-",
+                "-",
+                OK,
+                "the run did not record its draft's identity",
+            )
+        )
     else:
         then = _draft_key(base.draft)
         other = sorted(d for d in drafts if d != then)
-        rows.append(Row("draft revision", then, ", ".join(sorted(drafts)) or "-", "changed" if other else "same",
-                        INVALID if other else OK,
-                        f"draft {', '.join(other)} is not the evaluated {then}: the evaluation no longer applies"
-                        if other else ""))
+        rows.append(
+            Row(
+                "draft revision",
+                then,
+                ", ".join(sorted(drafts)) or "-",
+                "changed" if other else "same",
+                INVALID if other else OK,
+                f"draft {', '.join(other)} is not the evaluated {then}: the evaluation no longer applies"
+                if other
+                else "",
+            )
+        )
     return rows
 
 
@@ -216,8 +268,14 @@ def _distribution_row(metric: str, then: list[float], now: list[float], level: f
         effect = abs(m1 / m0 - 1) if m0 else float("inf")
         change = f"{m1 / m0 - 1:+.0%}" if m0 else "-"
     drifted = ks["p"] < level and effect >= MIN_EFFECT[metric]
-    return Row(metric, f"{m0:.2f}", f"{m1:.2f}", change, DRIFTED if drifted else OK,
-               f"KS D={ks['d']:.2f} p={ks['p']:.2g} (drift if p < {level:.2g} and change ≥ {MIN_EFFECT[metric]:g})")
+    return Row(
+        metric,
+        f"{m0:.2f}",
+        f"{m1:.2f}",
+        change,
+        DRIFTED if drifted else OK,
+        f"KS D={ks['d']:.2f} p={ks['p']:.2g} (drift if p < {level:.2g} and change ≥ {MIN_EFFECT[metric]:g})",
+    )
 
 
 def _mean(x: list[float]) -> str:
@@ -230,12 +288,19 @@ def format_table(rows: list[Row], base: Baseline, n: int, window: str) -> str:
     lines = [head, f"{'metric':<{w}}  {'baseline':>14}  {'now':>14}  {'change':>8}  verdict"]
     for r in rows:
         lines.append(f"{r.metric:<{w}}  {r.baseline:>14}  {r.now:>14}  {r.change:>8}  {r.verdict:<8} {r.detail}")
-    worst = INVALID if any(r.verdict == INVALID for r in rows) else (
-        DRIFTED if any(r.verdict == DRIFTED for r in rows) else OK)
+    worst = (
+        INVALID
+        if any(r.verdict == INVALID for r in rows)
+        else (DRIFTED if any(r.verdict == DRIFTED for r in rows) else OK)
+    )
     lines.append("")
-    lines.append({OK: "OK — traffic still matches the evaluation",
-                  DRIFTED: "DRIFTED — traffic no longer matches the evaluation: re-run `specwise evaluate` on it",
-                  INVALID: "INVALID — a revision changed: the evaluation no longer applies; re-run it"}[worst])
+    lines.append(
+        {
+            OK: "OK — traffic still matches the evaluation",
+            DRIFTED: "DRIFTED — traffic no longer matches the evaluation: re-run `specwise evaluate` on it",
+            INVALID: "INVALID — a revision changed: the evaluation no longer applies; re-run it",
+        }[worst]
+    )
     return "\n".join(lines)
 
 
@@ -244,8 +309,9 @@ def status(rows: list[Row]) -> int:
     return 1 if any(r.verdict != OK for r in rows) else 0
 
 
-def check(baseline: str, log: str, window: str = "1h", alpha: float = 0.01, until: float | None = None
-          ) -> tuple[list[Row], str]:
+def check(
+    baseline: str, log: str, window: str = "1h", alpha: float = 0.01, until: float | None = None
+) -> tuple[list[Row], str]:
     """One comparison of the log's window with the baseline: rows and the printed table."""
     seconds = parse_window(window)
     if not 0 < alpha < 1:

@@ -26,8 +26,16 @@ log = logging.getLogger("specwise.server")
 class DriftWatch:
     """Turns finished requests into log entries; writes them and/or keeps them for live drift gauges."""
 
-    def __init__(self, engine, log_path: str | None = None, log_text: bool = False, baseline: Baseline | None = None,
-                 window_seconds: float = 3600.0, alpha: float = 0.01, max_recent: int = 20000):
+    def __init__(
+        self,
+        engine,
+        log_path: str | None = None,
+        log_text: bool = False,
+        baseline: Baseline | None = None,
+        window_seconds: float = 3600.0,
+        alpha: float = 0.01,
+        max_recent: int = 20000,
+    ):
         self.engine, self.log_text, self.baseline = engine, log_text, baseline
         self.window, self.alpha = window_seconds, alpha
         self.log = RequestLog(log_path) if log_path else None
@@ -46,13 +54,22 @@ class DriftWatch:
         s = seq.stats
         prompt = record.get("prompt")
         entry = LogEntry(
-            time=time.time(), prompt_tokens=seq.prompt_len, output_tokens=len(result.token_ids), ttft=record["ttft"],
-            e2e=record["e2e"], load=record["load"], speculative=bool(s.drafted), drafter=seq.drafter,
-            spec=s.counts(), decode_time=s.decode_time,
-            finish_reason=result.finish_reason, target=self.engine.target.identity.to_dict(),
+            time=time.time(),
+            prompt_tokens=seq.prompt_len,
+            output_tokens=len(result.token_ids),
+            ttft=record["ttft"],
+            e2e=record["e2e"],
+            load=record["load"],
+            speculative=bool(s.drafted),
+            drafter=seq.drafter,
+            spec=s.counts(),
+            decode_time=s.decode_time,
+            finish_reason=result.finish_reason,
+            target=self.engine.target.identity.to_dict(),
             draft=self._draft(seq.drafter) if s.drafted else None,
             prompt=(prompt if isinstance(prompt, str) else repr(prompt)) if self.log_text else None,
-            output=result.text if self.log_text else None)
+            output=result.text if self.log_text else None,
+        )
         if self.log is not None:
             self.log.add(entry)
         if self.baseline is not None:
@@ -76,9 +93,10 @@ class DriftWatch:
                 alert = float(any(r.verdict != "ok" for r in compare(self.baseline, entries, self.alpha)))
             except Exception:  # a gauge must never break /metrics
                 log.exception("drift comparison failed")
-        out = {"specwise_acceptance_rate": ("Accepted over drafted tokens in the drift window.", rate),
-               "specwise_drift_alert": ("1 when traffic in the drift window no longer matches the evaluation.",
-                                        alert)}
+        out = {
+            "specwise_acceptance_rate": ("Accepted over drafted tokens in the drift window.", rate),
+            "specwise_drift_alert": ("1 when traffic in the drift window no longer matches the evaluation.", alert),
+        }
         self._cached = (now, out)
         return out
 

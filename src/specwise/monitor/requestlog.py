@@ -52,8 +52,15 @@ class LogEntry:
 
 
 _JSON = ("drafted_per_position", "accepted_per_position", "target", "draft")
-_COUNTS = ("steps", "drafted", "accepted", "drafted_per_position", "accepted_per_position", "drafting_time",
-           "verification_time")  # the SpecCounts fields the log keeps (not rejections)
+_COUNTS = (
+    "steps",
+    "drafted",
+    "accepted",
+    "drafted_per_position",
+    "accepted_per_position",
+    "drafting_time",
+    "verification_time",
+)  # the SpecCounts fields the log keeps (not rejections)
 
 
 class RequestLog:
@@ -67,14 +74,16 @@ class RequestLog:
         try:
             if mode == "a":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(self.path) if mode == "a" else f"file:{self.path}?mode=ro", uri=mode != "a",
-                                      check_same_thread=False)
+            self.db = sqlite3.connect(
+                str(self.path) if mode == "a" else f"file:{self.path}?mode=ro", uri=mode != "a", check_same_thread=False
+            )
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if mode == "a":
                 self.db.execute("PRAGMA journal_mode=WAL")
                 if tables and "log" not in tables:
-                    raise SpecwiseError(f"{self.path} is an SQLite file but not a specwise request log: choose "
-                                        "another path for --log")
+                    raise SpecwiseError(
+                        f"{self.path} is an SQLite file but not a specwise request log: choose another path for --log"
+                    )
                 self.db.executescript(SCHEMA)
             elif "log" not in tables or "meta" not in tables:
                 raise SpecwiseError(f"{self.path} is not a specwise request log (written by `specwise serve --log`)")
@@ -85,11 +94,14 @@ class RequestLog:
         version = self._meta("schema_version")
         if version is None and mode == "a":
             with self.db:
-                self.db.execute("INSERT INTO meta VALUES ('schema_version', ?), ('kind', ?)",
-                                (json.dumps(LOG_SCHEMA_VERSION), json.dumps(KIND)))
+                self.db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?), ('kind', ?)",
+                    (json.dumps(LOG_SCHEMA_VERSION), json.dumps(KIND)),
+                )
         elif version != LOG_SCHEMA_VERSION:
-            raise SpecwiseError(f"{self.path}: request log schema version {version}; this specwise reads version "
-                                f"{LOG_SCHEMA_VERSION}")
+            raise SpecwiseError(
+                f"{self.path}: request log schema version {version}; this specwise reads version {LOG_SCHEMA_VERSION}"
+            )
 
     def _meta(self, key: str):
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -103,8 +115,9 @@ class RequestLog:
             row[k] = json.dumps(row[k])
         row["speculative"] = int(entry.speculative)
         with self._lock, self.db:
-            self.db.execute(f"INSERT INTO log ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                            tuple(row.values()))
+            self.db.execute(
+                f"INSERT INTO log ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
+            )
 
     def entries(self, since: float | None = None, until: float | None = None) -> list[LogEntry]:
         q, args = "SELECT * FROM log WHERE time >= ? AND time <= ? ORDER BY time", (since or 0.0, until or 1e18)

@@ -56,9 +56,15 @@ class ServerState:
         """Metrics, a scheduler over `engine` feeding them, and the provenance /v1/models shows."""
         metrics = Metrics(name)
         scheduler = Scheduler(engine, policy, max_queue=max_queue, on_step=metrics.on_step)
-        info = {"target": engine.target.identity.to_dict(), "drafters": list(engine.drafters),
-                "default_drafter": engine.drafter.name if engine.drafter else None, "k": engine.k_spec,
-                "policy": scheduler.policy.describe(), "max_batch": engine.max_batch, "max_len": engine.max_len}
+        info = {
+            "target": engine.target.identity.to_dict(),
+            "drafters": list(engine.drafters),
+            "default_drafter": engine.drafter.name if engine.drafter else None,
+            "k": engine.k_spec,
+            "policy": scheduler.policy.describe(),
+            "max_batch": engine.max_batch,
+            "max_len": engine.max_len,
+        }
         return cls(scheduler, name, metrics, api_key, info)
 
 
@@ -76,12 +82,18 @@ class BodyLimit:
             auth = headers.get("authorization", "")
             if auth != f"Bearer {self.api_key}":
                 why = "no API key given" if not auth else "the API key is wrong"
-                return await _send_error(send, 401, f"{why}: send 'Authorization: Bearer <key>'",
-                                         "invalid_request_error", "invalid_api_key")
+                return await _send_error(
+                    send, 401, f"{why}: send 'Authorization: Bearer <key>'", "invalid_request_error", "invalid_api_key"
+                )
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, 413, f"the request body is {declared} bytes; at most {self.limit} are "
-                                     "allowed", "invalid_request_error", "request_too_large")
+            return await _send_error(
+                send,
+                413,
+                f"the request body is {declared} bytes; at most {self.limit} are allowed",
+                "invalid_request_error",
+                "request_too_large",
+            )
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         body, more = b"", True
@@ -92,8 +104,13 @@ class BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
-                return await _send_error(send, 413, f"the request body is over {self.limit} bytes, the most allowed",
-                                         "invalid_request_error", "request_too_large")
+                return await _send_error(
+                    send,
+                    413,
+                    f"the request body is over {self.limit} bytes, the most allowed",
+                    "invalid_request_error",
+                    "request_too_large",
+                )
         replayed = False
 
         async def replay():
@@ -110,14 +127,22 @@ async def _send_error(send, status: int, message: str, type_: str, code: str) ->
     import json
 
     payload = json.dumps(error_body(message, type_, None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})
 
 
 def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
-    app = FastAPI(title="specwise", version=__version__,
-                  description="OpenAI-compatible server with speculative decoding and a load-aware policy.")
+    app = FastAPI(
+        title="specwise",
+        version=__version__,
+        description="OpenAI-compatible server with speculative decoding and a load-aware policy.",
+    )
     app.state.specwise = state
 
     @app.exception_handler(RequestValidationError)
@@ -131,16 +156,25 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
-                   else str(exc.detail))
-        return JSONResponse(error_body(message, "invalid_request_error", None, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse(
+            error_body(message, "invalid_request_error", None, None),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _fault(_request: Request, exc: Exception):
         log.exception("internal error")
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__}); the request was not completed",
-                                       "server_error", None, None), status_code=500)
+        return JSONResponse(
+            error_body(
+                f"internal server error ({type(exc).__name__}); the request was not completed",
+                "server_error",
+                None,
+                None,
+            ),
+            status_code=500,
+        )
 
     @app.get("/health")
     async def health() -> dict:
@@ -150,8 +184,18 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         """The one model this server serves, with specwise's provenance (target hash, drafters, policy)."""
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specwise", "specwise": state.info}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "specwise",
+                    "specwise": state.info,
+                }
+            ],
+        }
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -167,8 +211,7 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         """OpenAI chat completion, rendered with the model's chat template."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         return await _generate(state, request, body, messages, body.limit(), chat=True)
 
     app.add_middleware(BodyLimit, limit=max_body, api_key=state.api_key)
@@ -177,21 +220,40 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
 
 def _check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
-        raise ProtocolError(f"the model {name!r} does not exist on this server: it serves {state.model_name!r}",
-                            "model", 404, "invalid_request_error", "model_not_found")
+        raise ProtocolError(
+            f"the model {name!r} does not exist on this server: it serves {state.model_name!r}",
+            "model",
+            404,
+            "invalid_request_error",
+            "model_not_found",
+        )
 
 
 def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None, sink) -> Sequence:
     spec = body.speculative
     try:
-        params = SamplingParams(max_new_tokens=max_tokens or 1, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
-        return state.scheduler.submit(prompt, params, sink, speculative=spec.enabled if spec else True,
-                                      drafter=spec.drafter if spec else None, k=spec.k if spec else None,
-                                      fill_context=max_tokens is None)  # as OpenAI: up to the rest of the context
+        params = SamplingParams(
+            max_new_tokens=max_tokens or 1,
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
+        return state.scheduler.submit(
+            prompt,
+            params,
+            sink,
+            speculative=spec.enabled if spec else True,
+            drafter=spec.drafter if spec else None,
+            k=spec.k if spec else None,
+            fill_context=max_tokens is None,
+        )  # as OpenAI: up to the rest of the context
     except QueueFull as exc:
-        raise ProtocolError(str(exc), None, 429, "rate_limit_error", "queue_full",
-                            {"Retry-After": str(int(exc.retry_after + 0.999))}) from None
+        raise ProtocolError(
+            str(exc), None, 429, "rate_limit_error", "queue_full", {"Retry-After": str(int(exc.retry_after + 0.999))}
+        ) from None
     except SpecwiseError as exc:  # the engine names the input at fault; here it becomes the request's field
         param = exc.param
         if param in ("drafter", "k", "k_max"):
@@ -203,15 +265,25 @@ def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | 
 
 def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:
     s = seq.stats
-    return {"enabled": seq.speculative, "drafter": seq.drafter,
-            "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"), **s.to_usage(),
-            "queue_time": s.queue_time, "prefill_time": s.prefill_time, "decode_time": s.decode_time}
+    return {
+        "enabled": seq.speculative,
+        "drafter": seq.drafter,
+        "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"),
+        **s.to_usage(),
+        "queue_time": s.queue_time,
+        "prefill_time": s.prefill_time,
+        "decode_time": s.decode_time,
+    }
 
 
 def _usage(seq: Sequence, result: GenerationResult) -> dict:
     n = len(result.token_ids)
-    return {"prompt_tokens": seq.prompt_len, "completion_tokens": n, "total_tokens": seq.prompt_len + n,
-            "speculative": _spec_usage(seq, result)}
+    return {
+        "prompt_tokens": seq.prompt_len,
+        "completion_tokens": n,
+        "total_tokens": seq.prompt_len + n,
+        "speculative": _spec_usage(seq, result),
+    }
 
 
 class _Relay:
@@ -226,8 +298,9 @@ class _Relay:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (time.perf_counter(), event))
 
 
-async def _generate(state: ServerState, request: Request, body: SamplingFields, prompt, max_tokens: int | None,
-                    chat: bool):
+async def _generate(
+    state: ServerState, request: Request, body: SamplingFields, prompt, max_tokens: int | None, chat: bool
+):
     _check_model(state, body.model)
     relay = _Relay()
     started = time.perf_counter()
@@ -249,8 +322,7 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
 
     def finish(result: GenerationResult, at: float) -> None:
         ttft = first - started if first is not None else None
-        state.metrics.on_request(ttft, itl, at - started, seq.prompt_len, len(result.token_ids),
-                                 result.finish_reason)
+        state.metrics.on_request(ttft, itl, at - started, seq.prompt_len, len(result.token_ids), result.finish_reason)
         record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompt}
         for hook in state.on_finish:
             try:
@@ -260,8 +332,11 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, seq, relay, rid, chat, include_usage, observe, finish),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(state, seq, relay, rid, chat, include_usage, observe, finish),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     text: list[str] = []
     try:
         while True:
@@ -273,8 +348,12 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
                     return Response(status_code=499)
                 continue
             if isinstance(event, BaseException):
-                raise ProtocolError(f"the engine failed while generating ({type(event).__name__}); retry the "
-                                    "request", None, 500, "server_error")
+                raise ProtocolError(
+                    f"the engine failed while generating ({type(event).__name__}); retry the request",
+                    None,
+                    500,
+                    "server_error",
+                )
             observe(at, event)
             text.append(event.text)
             if event.result is not None:
@@ -289,12 +368,19 @@ async def _generate(state: ServerState, request: Request, body: SamplingFields, 
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
         choice["text"] = result.text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": state.model_name, "choices": [choice], "usage": _usage(seq, result)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now(),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": _usage(seq, result),
+    }
 
 
-async def _stream(state: ServerState, seq: Sequence, relay: _Relay, rid: str, chat: bool, include_usage: bool,
-                  observe, finish) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, seq: Sequence, relay: _Relay, rid: str, chat: bool, include_usage: bool, observe, finish
+) -> AsyncIterator[str]:
     created, obj = now(), "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> dict:
@@ -326,8 +412,16 @@ async def _stream(state: ServerState, seq: Sequence, relay: _Relay, rid: str, ch
             last["speculative"] = _spec_usage(seq, result)  # specwise's per-request statistics
             yield sse(last)
             if include_usage:
-                yield sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [],
-                           "usage": _usage(seq, result)})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [],
+                        "usage": _usage(seq, result),
+                    }
+                )
             yield "data: [DONE]\n\n"
             done = True
             break

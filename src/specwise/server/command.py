@@ -16,8 +16,10 @@ def parse_threshold(text: str) -> tuple[int, int | None]:
     """'8' → (8, None); '8:4' → (8, 4)."""
     high, _, low = text.partition(":")
     if not high.isdigit() or (low and not low.isdigit()):
-        raise SpecwiseError(f"--policy-threshold {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, "
-                            "e.g. 4 or 4:2): drafting stops above HIGH running+waiting requests, resumes at LOW")
+        raise SpecwiseError(
+            f"--policy-threshold {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, "
+            "e.g. 4 or 4:2): drafting stops above HIGH running+waiting requests, resumes at LOW"
+        )
     return int(high), int(low) if low else None
 
 
@@ -64,8 +66,14 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from specwise.server.app import ServerState, create_app
 
     target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
-    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=args.max_batch, max_len=args.max_len,
-                    prefill_chunk=args.prefill_chunk)
+    engine = Engine(
+        target,
+        drafter=args.drafter,
+        k=args.k,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
+    )
     for spec in drafters:
         engine.add_drafter(spec)
     name = args.served_model_name or target.identity.name.removesuffix(".gguf")
@@ -80,9 +88,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
         state.metrics.extra_gauges = watch.gauges
     app = create_app(state, max_body=args.max_body)
     scheduler.start()
-    print(f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
-          f"{', '.join(engine.drafters) or 'none'}; policy: {policy.describe()}" + (f" [{why}]" if why else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
+        f"{', '.join(engine.drafters) or 'none'}; policy: {policy.describe()}" + (f" [{why}]" if why else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:

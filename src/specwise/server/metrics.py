@@ -26,8 +26,28 @@ from prometheus_client.registry import Collector
 
 from specwise.engine.scheduler import StepReport
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
@@ -68,29 +88,41 @@ class Metrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to join the batch.")
-        self.num_drafts = counter("vllm:spec_decode_num_drafts",
-                                  "Draft proposals verified (one per request per step).").labels(model_name)
+        self.num_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Draft proposals verified (one per request per step)."
+        ).labels(model_name)
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
-        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                       "Draft tokens accepted.").labels(model_name)
-        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each position.", ("position",))
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(
+            model_name
+        )
+        self.accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position.", ("position",)
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(model_name)
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(model_name)
         self.finished = counter("vllm:request_success", "Finished requests by finish reason.", ("finished_reason",))
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
-                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between streamed outputs of a request.", m,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", m,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", m, buckets=LATENCY_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between streamed outputs of a request.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", m, buckets=LATENCY_BUCKETS, registry=r
+        ).labels(model_name)
         self.batch = gauge("specwise_batch_size", "Rows in the last engine step.")
-        self.batch_hist = Histogram("specwise_step_batch_size", "Rows per engine step.", m, buckets=BATCH_BUCKETS,
-                                    registry=r).labels(model_name)
+        self.batch_hist = Histogram(
+            "specwise_step_batch_size", "Rows per engine step.", m, buckets=BATCH_BUCKETS, registry=r
+        ).labels(model_name)
         self.speculating = gauge("specwise_speculation_enabled", "1 while the load policy lets steps draft.")
         self.speculating.set(1)
-        self.switches = counter("specwise_policy_switches",
-                                "Times the load policy turned drafting off or on.").labels(model_name)
+        self.switches = counter("specwise_policy_switches", "Times the load policy turned drafting off or on.").labels(
+            model_name
+        )
         self.steps = counter("specwise_steps", "Engine steps, by whether any row drafted.", ("speculative",))
         for flag in ("true", "false"):
             self.steps.labels(model_name, flag)
@@ -127,8 +159,15 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def on_request(self, ttft: float | None, itls: list[float], e2e: float, prompt_tokens: int,
-                   generation_tokens: int, finish_reason: str) -> None:
+    def on_request(
+        self,
+        ttft: float | None,
+        itls: list[float],
+        e2e: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finish_reason: str,
+    ) -> None:
         if ttft is not None:
             self.ttft.observe(ttft)
         for x in itls:

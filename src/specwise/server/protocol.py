@@ -21,8 +21,15 @@ MAX_STOP = 4
 class ProtocolError(Exception):
     """A client mistake: answered with `status` and OpenAI's error object."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
         self.headers = headers or {}
@@ -31,8 +38,9 @@ class ProtocolError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -108,8 +116,9 @@ class CompletionRequest(SamplingFields):
     def _prompt(cls, v):
         if isinstance(v, list):
             if len(v) != 1:
-                raise ValueError("give one prompt (a string, or a list holding one string): batched prompts are "
-                                 "not supported")
+                raise ValueError(
+                    "give one prompt (a string, or a list holding one string): batched prompts are not supported"
+                )
             v = v[0]
         if not v:
             raise ValueError("the prompt is empty")
@@ -154,8 +163,17 @@ def pydantic_error(errors: list[dict]) -> ProtocolError:
     for e in errors[:5]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         # drop pydantic's union-branch labels such as 'str' or 'list[str]' from the path
-        loc = [x for x in loc if not (x in {"str", "int", "float", "bool"} or "[" in x or x.startswith(
-            "function-") or x.startswith("literal") or x.startswith("constrained"))]
+        loc = [
+            x
+            for x in loc
+            if not (
+                x in {"str", "int", "float", "bool"}
+                or "[" in x
+                or x.startswith("function-")
+                or x.startswith("literal")
+                or x.startswith("constrained")
+            )
+        ]
         where = ".".join(loc)
         msg = e.get("msg", "invalid")
         if e.get("type") == "json_invalid":

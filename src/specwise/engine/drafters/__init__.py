@@ -15,9 +15,16 @@ from specwise.engine.drafters.ngram import NgramDrafter
 from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP, check_drafter_spec
 
-__all__ = ["DRAFTER_HELP", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "SequenceView", "make_drafter",
-           "parse_layers"]
-
+__all__ = [
+    "DRAFTER_HELP",
+    "Draft",
+    "Drafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SequenceView",
+    "make_drafter",
+    "parse_layers",
+]
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -33,12 +40,15 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
                 lo, _, hi = rng.partition("-")
                 ids += list(range(int(lo), int(hi or lo) + 1, int(step or 1)))
     except ValueError:
-        raise SpecwiseError(f"layerskip:{spec} does not parse; write e.g. layerskip:12, layerskip:0-11,29 or "
-                            "layerskip:0-29/2") from None
+        raise SpecwiseError(
+            f"layerskip:{spec} does not parse; write e.g. layerskip:12, layerskip:0-11,29 or layerskip:0-29/2"
+        ) from None
     ids = sorted(set(ids))
     if not ids or ids[0] < 0 or ids[-1] >= num_layers:
-        raise SpecwiseError(f"layerskip:{spec} names no layers or layers outside 0..{num_layers - 1} "
-                            f"(the target has {num_layers} layers)")
+        raise SpecwiseError(
+            f"layerskip:{spec} names no layers or layers outside 0..{num_layers - 1} "
+            f"(the target has {num_layers} layers)"
+        )
     return ids
 
 

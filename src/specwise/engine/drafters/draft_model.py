@@ -20,8 +20,9 @@ LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is 
 class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
-    def __init__(self, model: CausalLM, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int,
-                 identity=None):
+    def __init__(
+        self, model: CausalLM, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int, identity=None
+    ):
         self.model, self.name = model, name
         self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
         self.cache = model.new_cache(num_slots, cache_len)
@@ -61,9 +62,13 @@ class ModelDrafter:
             slots += [slot] * len(toks)
             last.append(len(tokens) - 1)
         dev = self.device
-        return self.model.forward_tokens(self.cache, torch.tensor(tokens, device=dev),
-                                         torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
-                                         torch.tensor(last))
+        return self.model.forward_tokens(
+            self.cache,
+            torch.tensor(tokens, device=dev),
+            torch.tensor(positions, device=dev),
+            torch.tensor(slots, device=dev),
+            torch.tensor(last),
+        )
 
     def _choose(self, seq: SequenceView, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
