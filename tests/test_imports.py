@@ -121,3 +121,47 @@ def test_no_import_cycle_among_specwise_modules():
     assert graph["specwise.harness.report"] >= {"specwise.harness.analyze"}  # the graph sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " → ".join(cycle)
+
+
+SHARED = {"specwise", "specwise.errors", "specwise.specs", "specwise.speccounts", "specwise.paths"}
+# What each layer may import besides itself and the shared modules (docs/ARCHITECTURE.md).
+ALLOWED = {
+    "shared": set(),
+    "engine": set(),
+    "harness": {"engine"},  # only the in-process backend, lazily: the import test above keeps torch out
+    "monitor": {"harness"},  # reading evaluation runs
+    "server": {"engine", "monitor", "harness"},
+    "cli": {"engine", "harness", "monitor", "server"},
+}
+
+
+def layer(module: str) -> str:
+    if module in SHARED:
+        return "shared"
+    if module in ("specwise.cli", "specwise.__main__"):
+        return "cli"
+    return module.split(".")[1]
+
+
+def test_packages_import_only_what_their_layer_allows():
+    bad = sorted(
+        f"{m} → {o}"
+        for m, outs in import_graph().items()
+        for o in outs
+        if layer(o) not in {layer(m), "shared"} | ALLOWED[layer(m)]
+    )
+    assert not bad, bad
+    assert {o for o in import_graph()["specwise.harness.backends"] if layer(o) == "engine"}  # the rule sees edges
+
+
+def test_the_harness_imports_the_engine_only_inside_functions():
+    """Lazily, where the in-process backend is built: importing the harness must not need torch."""
+    for mod in torch_free_modules():
+        tree = ast.parse(_path(mod).read_text())
+        for node in tree.body:  # module level only
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not [n for n in names if n.startswith(("specwise.engine", "torch"))], (mod, names)
