@@ -75,7 +75,6 @@ class Metrics:
         r, m = self.registry, ["model_name"]
         self.model_name = model_name
         self._extra = _ExtraGauges(model_name, extra_gauges)
-        r.register(self._extra)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -127,6 +126,7 @@ class Metrics:
         for flag in ("true", "false"):
             self.steps.labels(model_name, flag)
         self._switches_seen = 0
+        r.register(self._extra)  # last: the drift gauges follow the engine's in the exposition
 
     @property
     def extra_gauges(self) -> Callable[[], dict[str, tuple[str, float]]] | None:
