@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specwise import __version__
@@ -228,7 +230,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from specwise.harness.report import console_summary, html_report, load_run, to_csv, to_json
 
@@ -245,7 +246,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    import time
 
     from specwise.monitor.drift import check, status
 

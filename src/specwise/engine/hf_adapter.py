@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specwise.engine.model import padded_forward_tokens
+from specwise.errors import SpecwiseError
+
 
 class SlotCaches:
     """One transformers cache per slot (None until the slot's first pass)."""
@@ -46,8 +49,6 @@ class HFAdapter(nn.Module):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
-        from specwise.errors import SpecwiseError
-
         try:
             model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
         except (OSError, ValueError, KeyError) as exc:
@@ -72,7 +73,6 @@ class HFAdapter(nn.Module):
         return SlotCaches(num_slots)
 
     def forward_tokens(self, cache, tokens, positions, slots, out_rows=None) -> torch.Tensor:
-        from specwise.engine.model import padded_forward_tokens
 
         return padded_forward_tokens(self, cache, tokens, positions, slots, out_rows)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specwise.engine import gguf
 from specwise.engine import kernels as K
 from specwise.engine.cache import KVCache
 from specwise.engine.model import ModelConfig, rope_inv_freq
@@ -171,8 +172,6 @@ def _concat(parts: list[K.PackedLinear]) -> K.PackedLinear:
 
 def from_gguf(reader, path, cfg: ModelConfig) -> NativeWeights:
     """Pack a GGUF file's tensors in their own precision (Q4_*/Q8_0 natively, other types in bf16)."""
-    from specwise.engine import gguf
-
     raw: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
     types: set[str] = set()
     for name, kind, type_name, arrays in gguf.tensors(reader, path):

@@ -21,9 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
+from specwise.engine import gguf, kernels
 from specwise.engine.cache import CausalLM
+from specwise.engine.hf_adapter import HFAdapter
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
+from specwise.engine.native import NativeDecoder, NativeWeights, from_gguf, from_hf_state
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
@@ -174,7 +179,6 @@ def load_target(
     if arch not in SUPPORTED_ARCHITECTURES:
         if quantize:
             raise SpecwiseError(f"--quantize needs a Llama-family model on the CPU kernels ({arch} is not one)")
-        from specwise.engine.hf_adapter import HFAdapter
 
         precision = dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
         model = HFAdapter.load(directory, TORCH_DTYPES[precision], dev)
@@ -217,8 +221,6 @@ def _load_native(
     source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None
 ) -> CausalLM:
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
-    from specwise.engine import kernels
-
     try:
         kernels.library()
         return _build_native(source, directory, config, dtype, quantize, max_len)
@@ -235,7 +237,6 @@ def _load_native(
 
 
 def _build_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None):
-    from specwise.engine.native import NativeDecoder, from_hf_state
 
     cfg = ModelConfig.from_hf(config)
     if source.is_file():
@@ -252,18 +253,12 @@ def _build_native(source: Path, directory: Path, config: dict, dtype: str, quant
 
 
 def _gguf_native(source: Path, cfg: ModelConfig):
-    from specwise.engine import gguf
-    from specwise.engine.native import from_gguf
 
     return from_gguf(gguf.open_gguf(source), source, cfg)
 
 
 def _cached_native(directory: Path, cfg: ModelConfig, build):
     """Packed weights from the conversion cache, packing (and saving) them the first time."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from specwise.engine.native import NativeWeights
 
     path = directory / f"native-v{NATIVE_VERSION}.safetensors"
     if path.exists():
@@ -315,8 +310,6 @@ def _load_decoder(
 
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -366,8 +359,6 @@ def fuse_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def convert_gguf(path: Path, digest: str) -> Path:
     """Extract a GGUF file's config and tokenizer into the cache (once per file hash) and return that directory."""
-    from specwise.engine import gguf
-
     target = cache_root() / f"gguf-{digest[:24]}-v{CONVERTER_VERSION}"
     if (target / "specwise.json").exists():
         return target
@@ -397,9 +388,6 @@ def convert_gguf(path: Path, digest: str) -> Path:
 def dequantized_directory(path: Path, directory: Path) -> Path:
     """The GGUF's weights dequantised to fp32 with Hugging Face names (model.safetensors beside the config), written
     on first use: the float32/bfloat16 precisions, the reference decoder and transformers read them."""
-    from safetensors.torch import save_file
-
-    from specwise.engine import gguf
 
     out = directory / "model.safetensors"
     if out.exists():

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from specwise.errors import SpecwiseError
 from specwise.harness.load import Load
 from specwise.harness.store import Record
 
@@ -206,7 +207,6 @@ class EngineBackend:
     ) -> Phase:
         """Run one phase on this configuration's engine, stepping it on this thread."""
         from specwise.engine import SamplingParams
-        from specwise.errors import SpecwiseError
 
         engine = self.engines[config]
         live: dict[str, tuple[Request, float, list[float]]] = {}  # request id → (request, submitted, chunk times)

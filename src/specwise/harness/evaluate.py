@@ -14,8 +14,11 @@ from pathlib import Path
 import yaml
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Backend, Config
+from specwise.harness.analyze import load_run, store_verdicts
+from specwise.harness.backends import Backend, Config, EngineBackend
+from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import loads_from_flags
+from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import Task, Workload, builtin_workload, load_workload
@@ -131,8 +134,6 @@ def check_output_dir(out: Path) -> None:
 
 
 def evaluate_from_args(args: argparse.Namespace) -> int:
-    from specwise.harness.analyze import load_run, store_verdicts
-    from specwise.harness.report import console_summary, html_report
 
     # Everything is checked before the model loads or anything is measured.
     if args.launch and not args.endpoint:
@@ -188,8 +189,6 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     )
     backend: Backend
     if args.endpoint:
-        from specwise.harness.http_backend import HTTPBackend
-
         backend = HTTPBackend(
             args.endpoint,
             args.model,
@@ -200,8 +199,6 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             log_dir=out,
         )
     else:
-        from specwise.harness.backends import EngineBackend
-
         backend = EngineBackend(
             args.model,
             configs,

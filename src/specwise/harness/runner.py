@@ -13,6 +13,8 @@ import json
 import sys
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from specwise import __version__
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import Backend, Config, Request
@@ -191,6 +193,5 @@ def run(
 def _progress(total: int, show: bool):
     if not show:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jsonschema
+
 from specwise.errors import SpecwiseError
 
 VERSION_RE = re.compile(r"\bv?\d+(?:\.\d+)+(?:-[0-9A-Za-z.]+)?\b")
@@ -72,7 +74,6 @@ def _json_schema(text: str, p: dict) -> tuple[bool, str]:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         return False, f"not JSON ({exc.msg} at char {exc.pos})"
-    import jsonschema
 
     try:
         jsonschema.validate(doc, p["schema"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -124,7 +125,6 @@ class BodyLimit:
 
 
 async def _send_error(send, status: int, message: str, type_: str, code: str) -> None:
-    import json
 
     payload = json.dumps(error_body(message, type_, None, code)).encode()
     await send(

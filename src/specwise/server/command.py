@@ -10,6 +10,10 @@ import argparse
 import sys
 
 from specwise.errors import SpecwiseError
+from specwise.harness.analyze import policy_from_run
+from specwise.monitor.drift import load_baseline, parse_window
+from specwise.monitor.live import DriftWatch
+from specwise.monitor.requestlog import RequestLog
 
 
 def parse_threshold(text: str) -> tuple[int, int | None]:
@@ -37,8 +41,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
     why = None
     if args.policy_from:
-        from specwise.harness.analyze import policy_from_run
-
         mode, high, why = policy_from_run(args.policy_from)
         policy = Policy(mode, high or 1)
     else:
@@ -49,13 +51,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--log-text needs --log PATH (it adds prompt and output text to the request log)")
     baseline, window = None, None
     if args.drift_baseline:  # checked before the model loads
-        from specwise.monitor.drift import load_baseline, parse_window
-
         window = parse_window(args.drift_window) or float("inf")
         baseline = load_baseline(args.drift_baseline, args.drafter)
     if args.log:
-        from specwise.monitor.requestlog import RequestLog
-
         RequestLog(args.log).close()  # a path that cannot hold a log fails now, not at the first request
     if policy.mode != "never" and not args.drafter and not drafters:
         print("specwise serve: no --drafter given, so every request decodes plainly", file=sys.stderr)
@@ -81,8 +79,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     scheduler = state.scheduler
     watch = None
     if args.log or baseline is not None:
-        from specwise.monitor.live import DriftWatch
-
         watch = DriftWatch(engine, args.log, args.log_text, baseline, window or float("inf"))
         state.on_finish.append(watch.on_finish)
         state.metrics.extra_gauges = watch.gauges

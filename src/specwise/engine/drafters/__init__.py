@@ -12,6 +12,7 @@ from __future__ import annotations
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
+from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP, check_drafter_spec
 
@@ -68,8 +69,6 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         q = target.model.requantized("int8")  # every linear layer in 8 bits (group 32); embeddings shared
         return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
     if kind == "model":
-        from specwise.engine.weights import load_target
-
         draft = load_target(arg, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, arg)
         extra = draft.model.weight_bytes()
