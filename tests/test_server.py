@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine.scheduler import Policy
-from specwise.harness.http_backend import parse_spec_counters
+from specwise.harness.server_stats import parse_spec_counters
 from specwise.server.app import ServerState, create_app
 
 PROMPTS = [

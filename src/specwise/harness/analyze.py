@@ -11,7 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.harness.results import Analysis, Comparison, Row, Run, read_run
+from specwise.harness.load import Load
+from specwise.harness.results import Analysis, Comparison, Determinism, Row, Run, read_run
 from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Cell, Verdict, decide, load_name, policy_from_verdict
@@ -77,13 +78,22 @@ def analyze(run: Run) -> Analysis:
             table += [
                 row_stats(c, ld.name, g, by[(c, ld.name, g)], phase) for g in sorted(groups) if by.get((c, ld.name, g))
             ]
+    ref = reference_load(plan.loads)
+    determinism = baseline_determinism(run.records, baseline, [ld.name for ld in plan.loads], ref) if greedy else []
     comparisons, verdicts = [], {}
     for s in specs:
         cells_by_kind: dict[str, list[Cell]] = defaultdict(list)
         for load in plan.loads:
             for g in sorted(groups):
                 comp = _compare(
-                    s, load.name, g, by.get((baseline, load.name, g), []), by.get((s, load.name, g), []), greedy
+                    s,
+                    load.name,
+                    g,
+                    by.get((baseline, load.name, g), []),
+                    by.get((s, load.name, g), []),
+                    greedy,
+                    by.get((baseline, ref, g), []) if ref else [],
+                    ref,
                 )
                 if comp is None:
                     continue
@@ -102,17 +112,66 @@ def analyze(run: Run) -> Analysis:
                         errors_base=comp.errors_base,
                         errors_spec=comp.errors_spec,
                         mismatches=len(comp.mismatches),
+                        baseline_changed=comp.baseline_changed,
                         length_p=comp.output_length_ks["p"] if comp.output_length_ks else None,
                     )
                 )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
     return Analysis(
-        baseline, configs, [ld.name for ld in plan.loads], sorted(groups), table, comparisons, verdicts, greedy
+        baseline,
+        configs,
+        [ld.name for ld in plan.loads],
+        sorted(groups),
+        table,
+        comparisons,
+        verdicts,
+        greedy,
+        determinism,
     )
 
 
+def reference_load(loads: list[Load]) -> str | None:
+    """The load whose baseline outputs the others are held against: the lowest concurrency (least batching), else the
+    lowest arrival rate."""
+    if not loads:
+        return None
+    closed = [ld for ld in loads if ld.kind == "concurrent"]
+    return min(closed or loads, key=lambda ld: ld.value).name
+
+
+def _outputs(records: list[Record]) -> dict[tuple[str, int], str | None]:
+    return {(r.task_id, r.repeat): r.output for r in records if r.error is None}
+
+
+def _repeat_changes(outputs: dict[tuple[str, int], str | None]) -> tuple[int, list[str]]:
+    """Pairs (task, repeat ≥ 1) compared with the task's repeat 0, and the tasks whose output changed."""
+    pairs = [(t, out) for (t, rep), out in outputs.items() if rep > 0 and (t, 0) in outputs]
+    return len(pairs), [t for t, out in pairs if out != outputs[(t, 0)]]
+
+
+def baseline_determinism(records: list[Record], baseline: str, loads: list[str], ref: str | None) -> list[Determinism]:
+    """The baseline's greedy outputs at each load against the reference load, and across repeats at each load."""
+    if ref is None:
+        return []
+    at = {ld: _outputs([r for r in records if r.config == baseline and r.load == ld]) for ld in loads}
+    out = []
+    for ld in loads:
+        common = sorted(at[ld].keys() & at[ref].keys())
+        n_rep, rep_changed = _repeat_changes(at[ld])
+        changed = [t for t, rep in common if at[ld][(t, rep)] != at[ref][(t, rep)]]
+        out.append(Determinism(ld, ref, len(common), changed, n_rep, rep_changed))
+    return out
+
+
 def _compare(
-    config: str, load: str, group: str, base_recs: list[Record], spec_recs: list[Record], greedy: bool
+    config: str,
+    load: str,
+    group: str,
+    base_recs: list[Record],
+    spec_recs: list[Record],
+    greedy: bool,
+    ref_recs: list[Record] | None = None,
+    ref: str | None = None,
 ) -> Comparison | None:
     base = {(r.task_id, r.repeat): r for r in base_recs}
     spec = {(r.task_id, r.repeat): r for r in spec_recs}
@@ -125,7 +184,19 @@ def _compare(
     if e2e is None:
         return None
     dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
-    mismatches = [b.task_id for b, x in pairs if b.output != x.output] if greedy else []
+    same, vs_ref, both, changed = [], [], [], 0
+    if greedy:
+        # Fair losslessness: the speculative output is paired with the baseline at this load and at the reference
+        # load; only an output that differs from both is unexplained by what batching does to the baseline itself.
+        reference = _outputs(ref_recs or []) if ref and ref != load else _outputs(base_recs)
+        for b, x in pairs:
+            key = (b.task_id, b.repeat)
+            r = reference.get(key, b.output)
+            same += [b.task_id] if x.output != b.output else []
+            vs_ref += [b.task_id] if x.output != r else []
+            both += [b.task_id] if x.output != b.output and x.output != r else []
+            changed += b.output != r
+        changed += len(_repeat_changes(_outputs(base_recs))[1])
     # Sampled runs cannot match token for token: compare the distributions instead.
     lengths = (
         None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
@@ -139,7 +210,7 @@ def _compare(
         len(pairs),
         e2e,
         dec,
-        mismatches,
+        both,
         lengths,
         bstats.validation_rate,
         sstats.validation_rate,
@@ -147,6 +218,10 @@ def _compare(
         sstats.error_rate,
         bstats.ttft.p50,
         sstats.ttft.p50,
+        same,
+        vs_ref,
+        ref,
+        changed,
     )
 
 

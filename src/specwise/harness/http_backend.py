@@ -30,52 +30,8 @@ import httpx
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import Config, Phase, Request, dispatch, hardware
 from specwise.harness.load import Load
+from specwise.harness.server_stats import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record
-from specwise.speccounts import SpecCounts
-
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def parse_spec_counters(text: str) -> dict | None:
-    """vLLM's speculative decoding counters from Prometheus text (summed over engines); None if there are none."""
-    out: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "accepted_per_pos": {}}
-    found = False
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1).removesuffix("_total"), m.group(2) or "", m.group(3)
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[name]] += v
-            found = True
-        elif name == PER_POS:
-            pos = re.search(r'position="(\d+)"', labels)
-            if pos:
-                out["accepted_per_pos"][int(pos.group(1))] = out["accepted_per_pos"].get(int(pos.group(1)), 0) + v
-                found = True
-    return out if found else None
-
-
-def counter_delta(before: dict | None, after: dict | None) -> dict | None:
-    """What the server's counters grew by over a phase (counts only: rates come from SpecCounts)."""
-    if before is None or after is None:
-        return None
-    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
-    d["accepted_per_pos"] = [
-        after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0) for p in positions
-    ]
-    return d
 
 
 class HTTPBackend:
@@ -276,7 +232,6 @@ class HTTPBackend:
             rec.finished, rec.error = time.perf_counter(), str(exc)
             return rec
         chunks, usage = out["chunks"], out["usage"] or {}
-        spec = out["spec"] or usage.get("speculative") or {}
         rec.finished = out["finished"]
         rec.output, rec.finish_reason = out["text"], out["finish_reason"]
         rec.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -285,9 +240,9 @@ class HTTPBackend:
         rec.itl = [b - a for a, b in itertools.pairwise(chunks)]
         rec.e2e = rec.finished - t0
         rec.decode = chunks[-1] - chunks[0] if chunks else None
-        rec.prefill = spec.get("prefill_time")
-        if spec:
-            rec.spec = SpecCounts.from_usage(spec).to_dict()
+        rec.prefill = out["prefill"]
+        if out["spec"] is not None:
+            rec.spec = out["spec"].to_dict()
         return rec
 
     def _one(self, config: str, req: Request, t0: float) -> dict:
@@ -304,7 +259,9 @@ class HTTPBackend:
         }
         body["messages" if chat else "prompt"] = req.prompt
         url = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
-        text, chunks, finish, usage, spec = [], [], None, None, None
+        text: list[str] = []
+        chunks: list[float] = []
+        finish, usage, spec, prefill = None, None, None, None
         try:
             with self.client.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
@@ -323,7 +280,9 @@ class HTTPBackend:
                     if "error" in obj:
                         raise SpecwiseError(f"the server failed mid-stream: {_error_message(obj)}")
                     usage = obj.get("usage") or usage
-                    spec = obj.get("speculative") or spec
+                    spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats.py)
+                    own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
+                    prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
                     for choice in obj.get("choices") or []:
                         piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                         if piece:
@@ -338,6 +297,7 @@ class HTTPBackend:
             "finish_reason": finish,
             "usage": usage,
             "spec": spec,
+            "prefill": prefill,
             "finished": time.perf_counter(),
         }
 

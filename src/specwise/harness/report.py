@@ -16,8 +16,8 @@ from specwise.harness import svgplot
 from specwise.harness.analyze import load_run
 from specwise.harness.load import parse_load
 from specwise.harness.results import Run
+from specwise.harness.server_stats import counts_from_counters
 from specwise.harness.verdict import load_name
-from specwise.speccounts import SpecCounts
 
 __all__ = ["console_summary", "html_report", "load_run", "plots", "to_csv", "to_json"]
 
@@ -48,6 +48,14 @@ def console_summary(run: Run) -> str:
             f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
             f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}"
         )
+    findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
+    if findings:
+        lines.append("")
+        lines.append(
+            "baseline determinism (greedy outputs against the baseline's own; mismatch counts only outputs that"
+        )
+        lines.append("differ from the baseline both at their load and at the reference load)")
+        lines += [f"  {t}" for t in findings]
     lines.append("")
     lines.append(
         f"{'config':>22} {'load':>14} {'group':>12} {'E2E p50':>8} {'p90':>7} {'p99':>7} {'TTFT p50':>8} "
@@ -67,15 +75,11 @@ def console_summary(run: Run) -> str:
         lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")
         lines.append(f"{'config|load':>38} {'drafts':>8} {'draft tok':>9} {'accepted':>9} {'accept':>6} {'MAL':>5}")
         for key, deltas in run.server_counters.items():
-            # vLLM's counters: a draft is one verification step that was given draft tokens
-            sc = SpecCounts(
-                steps=round(sum(d["num_drafts"] for d in deltas)),
-                drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
-                accepted=round(sum(d["num_accepted_tokens"] for d in deltas)),
-            )
+            sc = counts_from_counters(deltas)
             lines.append(
                 f"{key:>38} {sc.steps:>8} {sc.drafted:>9} {sc.accepted:>9} "
                 f"{_fmt(sc.acceptance_rate, '.2f'):>6} {_fmt(sc.mean_acceptance_length, '.2f'):>5}"
+                + (f"  ({deltas[-1]['source']})" if deltas and deltas[-1].get("source") else "")
             )
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
@@ -131,6 +135,12 @@ def html_report(run: Run) -> str:
     a = run.analysed
     prov = run.provenance
     figs = "".join(f'<figure data-plot="{name}">{svg}</figure>' for name, svg in plots(run).items())
+    findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
+    determinism = (
+        "<h2>Baseline determinism</h2><ul>" + "".join(f"<li>{escape(t)}</li>" for t in findings) + "</ul>"
+        if findings
+        else ""
+    )
     verdicts = ""
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
@@ -185,7 +195,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
 configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
-{verdicts}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
+{verdicts}{determinism}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 

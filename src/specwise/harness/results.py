@@ -93,7 +93,7 @@ class Comparison:
     n: int
     e2e_speedup: Interval
     decode_speedup: Interval | None
-    mismatches: list[str]  # greedy: ids of tasks whose outputs differ
+    mismatches: list[str]  # greedy: tasks whose output differs from the baseline's at this load and at the reference
     output_length_ks: dict | None  # sampled runs: {"d", "p"} of the output-length KS test
     validation_base: float
     validation_spec: float
@@ -101,6 +101,41 @@ class Comparison:
     errors_spec: float
     ttft_p50_base: float | None
     ttft_p50_spec: float | None
+    mismatches_same_load: list[str] = field(default_factory=list)  # differs from the baseline at this load
+    mismatches_vs_reference: list[str] = field(default_factory=list)  # differs from the baseline at the reference
+    reference_load: str | None = None  # the lowest load measured: the baseline least disturbed by batching
+    baseline_changed: int = 0  # outputs the baseline itself changed here (against the reference, or across repeats)
+
+
+@dataclass
+class Determinism:
+    """What the baseline does to its own greedy outputs: at a load against the reference load (batching), and across
+    repeats at the same load. An engine whose outputs change with the batch cannot be held to token equality."""
+
+    load: str
+    reference: str
+    n: int  # (task, repeat) pairs compared against the reference
+    changed: list[str]  # task ids whose output differs from the reference load's
+    repeat_pairs: int = 0  # (task, repeat ≥ 1) pairs compared with repeat 0 at this load
+    repeat_changed: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        if self.load == self.reference:
+            head = f"baseline at {self.load} (the reference)"
+        elif self.changed:
+            head = (
+                f"the baseline is not batch-invariant: {len(set(self.changed))} of {self.n} outputs change between "
+                f"{self.reference} and {self.load}"
+            )
+        else:
+            head = f"baseline at {self.load}: all {self.n} outputs equal those at {self.reference}"
+        if self.repeat_pairs:
+            head += (
+                f"; repeated at {self.load}, {len(self.repeat_changed)} of {self.repeat_pairs} outputs changed"
+                if self.repeat_changed
+                else f"; repeated at {self.load}, none of {self.repeat_pairs} changed"
+            )
+        return head
 
 
 @dataclass
@@ -113,6 +148,7 @@ class Analysis:
     comparisons: list[Comparison]
     verdicts: dict[str, dict[str, Verdict]]  # config → load kind ("concurrent" / "poisson") → verdict
     greedy: bool
+    determinism: list[Determinism] = field(default_factory=list)  # greedy runs: the baseline against itself
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,7 +34,8 @@ class Cell:
     validated_spec: float
     errors_base: float  # share of requests that failed
     errors_spec: float
-    mismatches: int = 0  # greedy outputs that differ between baseline and speculative
+    mismatches: int = 0  # greedy outputs that differ from every baseline output of their task here
+    baseline_changed: int = 0  # greedy outputs the baseline itself changed here (batching, repeats)
     length_p: float | None = None  # sampled runs: KS p-value that output lengths share one distribution
 
 
@@ -109,9 +110,19 @@ def decide(
         if c.errors_spec > c.errors_base + error_tolerance:
             clauses.append(Clause(False, f"{where}: errors rose from {c.errors_base:.1%} to {c.errors_spec:.1%}"))
             safe = False
-        if c.mismatches:
-            clauses.append(Clause(False, f"{where}: {c.mismatches} greedy output(s) differ from the baseline"))
+        if c.mismatches > c.baseline_changed:
+            detail = f" (the baseline itself changed {c.baseline_changed} here)" if c.baseline_changed else ""
+            clauses.append(Clause(False, f"{where}: {c.mismatches} greedy output(s) differ from the baseline{detail}"))
             safe = False
+        elif c.mismatches:
+            clauses.append(
+                Clause(
+                    True,
+                    f"{where}: {c.mismatches} greedy output(s) differ from the baseline, no more "
+                    f"than the baseline changes its own outputs here ({c.baseline_changed}), so batching could "
+                    "explain them: not counted as evidence against speculation",
+                )
+            )
         if c.length_p is not None and c.length_p < 0.01:
             clauses.append(Clause(False, f"{where}: output lengths differ in distribution (KS p={c.length_p:.3g})"))
             safe = False

@@ -1,0 +1,127 @@
+"""What servers report about their own speculation, read into specwise's terms: per request from the response, and per
+phase from the Prometheus counters on `/metrics`.
+
+Per request (the final stream chunk, or the response body):
+
+- specwise: `usage.speculative` (or `speculative`) — steps, drafted, accepted, per position;
+- vLLM (`--per-request-spec-decode-metrics summary|detailed`): `metrics.speculative_decoding` — `num_spec_steps`,
+  `num_draft_tokens`, `num_accepted_draft_tokens`, `acceptance_histogram[_by_draft_length]`;
+- llama.cpp's `llama-server`: `timings.draft_n` and `timings.draft_n_accepted` (no step count: MAL comes from its
+  counters);
+- SGLang: `meta_info` (top level or per choice) — `spec_verify_ct`, `spec_accept_token_num`, `spec_draft_token_num`.
+
+Counters (before and after each phase): `vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` (+ per
+position) and llama.cpp's `llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`. SGLang exposes
+gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`), not counters: their values after the phase are kept.
+"""
+
+from __future__ import annotations
+
+import re
+
+from specwise.speccounts import SpecCounts
+
+COUNTERS = {
+    f"{prefix}:spec_decode_{name}": key
+    for prefix in ("vllm", "llamacpp")
+    for name, key in (
+        ("num_drafts", "num_drafts"),
+        ("num_draft_tokens", "num_draft_tokens"),
+        ("num_accepted_tokens", "num_accepted_tokens"),
+    )
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+GAUGES = {"sglang:spec_accept_length": "accept_length", "sglang:spec_accept_rate": "accept_rate"}
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    """Speculative decoding counters (summed over engines and label sets) and gauges from Prometheus text; None if
+    the server exposes none."""
+    out: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "accepted_per_pos": {}}
+    sources: set[str] = set()
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1).removesuffix("_total"), m.group(2) or "", m.group(3)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name in COUNTERS:
+            out[COUNTERS[name]] += v
+            sources.add(name.split(":")[0])
+        elif name == PER_POS:
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                out["accepted_per_pos"][int(pos.group(1))] = out["accepted_per_pos"].get(int(pos.group(1)), 0) + v
+                sources.add("vllm")
+        elif name in GAUGES:
+            out[GAUGES[name]] = v
+            sources.add("sglang")
+    if not sources:
+        return None
+    out["source"] = ",".join(sorted(sources))
+    return out
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the counters grew by over a phase (counts only: rates come from SpecCounts); gauges as they are after."""
+    if before is None or after is None:
+        return None
+    d: dict = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
+    d["accepted_per_pos"] = [
+        after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0) for p in positions
+    ]
+    d.update({k: after[k] for k in ("accept_length", "accept_rate", "source") if k in after})
+    return d
+
+
+def counts_from_counters(deltas: list[dict]) -> SpecCounts:
+    """Phase deltas pooled as speculation counts (a counted draft is one verification step given draft tokens)."""
+    return SpecCounts(
+        steps=round(sum(d["num_drafts"] for d in deltas)),
+        drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
+        accepted=round(sum(d["num_accepted_tokens"] for d in deltas)),
+    )
+
+
+def spec_from_payload(obj: dict) -> SpecCounts | None:
+    """One request's speculation as a server reported it in a response or stream chunk; None if it reported none."""
+    usage = obj.get("usage")
+    own = obj.get("speculative") or (usage.get("speculative") if isinstance(usage, dict) else None)
+    if isinstance(own, dict):
+        return SpecCounts.from_usage(own)
+    vllm = (obj.get("metrics") or {}).get("speculative_decoding") if isinstance(obj.get("metrics"), dict) else None
+    if isinstance(vllm, dict):
+        return _from_vllm(vllm)
+    timings = obj.get("timings")
+    if isinstance(timings, dict) and "draft_n" in timings:
+        return SpecCounts(drafted=int(timings["draft_n"]), accepted=int(timings.get("draft_n_accepted") or 0))
+    for meta in [obj.get("meta_info")] + [c.get("meta_info") for c in obj.get("choices") or [] if isinstance(c, dict)]:
+        if isinstance(meta, dict) and "spec_verify_ct" in meta:
+            return SpecCounts(
+                steps=int(meta["spec_verify_ct"]),
+                drafted=int(meta.get("spec_draft_token_num") or 0),
+                accepted=int(meta.get("spec_accept_token_num") or 0),
+            )
+    return None
+
+
+def _from_vllm(m: dict) -> SpecCounts:
+    """vLLM's per-request summary; per-position counts from the histograms where it gives them."""
+    c = SpecCounts(
+        steps=int(m.get("num_spec_steps") or 0),
+        drafted=int(m.get("num_draft_tokens") or 0),
+        accepted=int(m.get("num_accepted_draft_tokens") or 0),
+    )
+    hist = m.get("acceptance_histogram") or []  # hist[j]: steps that accepted exactly j draft tokens
+    c.accepted_per_position = [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
+    by_len = m.get("acceptance_histogram_by_draft_length") or {}
+    if by_len:
+        k_max = max(int(k) for k in by_len)
+        c.drafted_per_position = [sum(sum(h) for k, h in by_len.items() if int(k) > i) for i in range(k_max)]
+        c.rejections = sum(sum(h[: int(k)]) for k, h in by_len.items())
+    return c

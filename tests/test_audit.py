@@ -1,0 +1,89 @@
+"""The fair losslessness audit, against a stand-in server whose *baseline* changes greedy outputs with the batch (as
+llama.cpp's does): speculation is blamed only for what the baseline does not do to itself. Also: acceptance read
+from a llama.cpp-style server's responses and counters."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_evaluate import cli
+from test_server import free_port
+
+from specwise.harness.analyze import load_run
+
+FAKE = Path(__file__).with_name("fake_openai_server.py")
+
+
+def workload(tmp_path: Path, n: int = 8) -> Path:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "tasks:\n"
+        + "".join(f"  - {{id: t{i}, prompt: 'task number {i} says hello', max_tokens: 16}}\n" for i in range(n))
+    )
+    return path
+
+
+def evaluate(tmp_path: Path, spec_flags: str, name: str):
+    port = free_port()
+    server = f"{sys.executable} {FAKE} --port {port} --batch-variant"
+    out = tmp_path / name
+    proc = cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload(tmp_path),
+        "--launch",
+        server,
+        "--launch",
+        f"{server} --speculative {spec_flags}",
+        "--concurrency",
+        "1,4",
+        "--out",
+        out,
+        "--no-progress",
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return load_run(out / "run.db"), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def lossless(tmp_path_factory):
+    return evaluate(tmp_path_factory.mktemp("audit"), "", "lossless")
+
+
+def test_a_batch_variant_baseline_is_reported_and_not_blamed_on_speculation(lossless):
+    run, stdout = lossless
+    a = run.analysis
+    finding = {d.load: d for d in a.determinism}["concurrent@4"]
+    assert finding.reference == "concurrent@1" and len(finding.changed) >= 4  # the baseline changed its own outputs
+    assert "the baseline is not batch-invariant" in stdout and f"{len(finding.changed)} of 8 outputs" in stdout
+    at4 = [c for c in a.comparisons if c.load == "concurrent@4"]
+    assert at4 and all(c.mismatches == [] for c in at4)  # never an output the baseline did not produce itself
+    assert sum(len(c.mismatches_vs_reference) for c in at4) > 0  # yet outputs did differ from the c=1 baseline
+    verdict = a.verdicts["speculative"]["concurrent"]
+    assert not any("differ from the baseline" in cl.text and not cl.ok for cl in verdict.clauses)
+
+
+def test_a_speculation_that_changes_outputs_is_still_rejected(tmp_path):
+    run, _ = evaluate(tmp_path, "--lossy", "lossy")
+    verdict = run.analysis.verdicts["speculative"]["concurrent"]
+    assert verdict.decision == "reject"
+    bad = [cl.text for cl in verdict.clauses if not cl.ok and "differ from the baseline" in cl.text]
+    assert any("@ concurrency 1: 8 greedy output(s)" in t for t in bad), bad
+    # At concurrency 4 the baseline itself changed every output, so the count there proves nothing either way; the
+    # clause says so, and concurrency 1 (no batching) carries the evidence.
+    assert any("@ concurrency 4" in cl.text and "could explain them" in cl.text for cl in verdict.clauses)
+
+
+def test_acceptance_is_read_from_llamacpp_style_responses_and_counters(lossless):
+    run, stdout = lossless
+    spec = [r for r in run.records if r.config == "speculative"]
+    assert spec and all(r.spec["drafted"] == 6 and r.spec["accepted"] == 4 for r in spec)
+    row = next(r for r in run.analysis.table if r.config == "speculative" and r.load == "concurrent@1")
+    assert row.acceptance_rate == pytest.approx(4 / 6)
+    counters = run.server_counters["speculative|concurrent@1"]
+    assert counters[0]["num_draft_tokens"] == 6 * 8 and counters[0]["source"] == "llamacpp"
+    assert "(llamacpp)" in stdout
