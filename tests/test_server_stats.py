@@ -21,6 +21,8 @@ llamacpp:spec_decode_num_accepted_tokens_total {accepted}
 # HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
 # TYPE llamacpp:spec_decode_num_drafts_total counter
 llamacpp:spec_decode_num_drafts_total {steps}
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {steps}
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} 1
 """
 
 
@@ -32,13 +34,14 @@ def test_llamacpp_counters_and_their_phase_delta():
     c = counts_from_counters([d])
     assert (c.steps, c.drafted, c.accepted) == (10, 30, 20)
     assert c.acceptance_rate == pytest.approx(20 / 30) and c.mean_acceptance_length == pytest.approx(3.0)
+    assert d["accepted_per_pos"] == [10, 0]
 
 
 def test_llamacpp_per_request_timings():
     chunk = {
         "choices": [{"text": "", "index": 0, "finish_reason": "length"}],
         "usage": {"completion_tokens": 48, "prompt_tokens": 19, "total_tokens": 67},
-        "timings": {"prompt_n": 19, "predicted_n": 48, "draft_n": 30, "draft_n_accepted": 21},
+        "timings": {"prompt_n": 19, "predicted_n": 48, "draft_n": 30, "draft_n_accepted": 21, "predicted_ms": 320.1},
     }
     c = spec_from_payload(chunk)
     assert (c.drafted, c.accepted, c.steps) == (30, 21, 0)

@@ -10,10 +10,10 @@ Per request (the final stream chunk, or the response body):
   counters);
 - SGLang: `meta_info` (top level or per choice) — `spec_verify_ct`, `spec_accept_token_num`, `spec_draft_token_num`.
 
-Counters (before and after each phase): `vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` (+ per
-position) and llama.cpp's `llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`. SGLang exposes
-gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`), not counters: their values after the phase are kept.
-"""
+Counters (before and after each phase): `vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` and
+llama.cpp's `llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`, both with `…_per_pos_total`.
+SGLang exposes gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`), not counters: their values after the
+phase are kept."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ COUNTERS = {
         ("num_accepted_tokens", "num_accepted_tokens"),
     )
 }
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PER_POS = {f"{prefix}:spec_decode_num_accepted_tokens_per_pos": prefix for prefix in ("vllm", "llamacpp")}
 GAUGES = {"sglang:spec_accept_length": "accept_length", "sglang:spec_accept_rate": "accept_rate"}
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -52,11 +52,11 @@ def parse_spec_counters(text: str) -> dict | None:
         if name in COUNTERS:
             out[COUNTERS[name]] += v
             sources.add(name.split(":")[0])
-        elif name == PER_POS:
+        elif name in PER_POS:
             pos = re.search(r'position="(\d+)"', labels)
             if pos:
                 out["accepted_per_pos"][int(pos.group(1))] = out["accepted_per_pos"].get(int(pos.group(1)), 0) + v
-                sources.add("vllm")
+                sources.add(PER_POS[name])
         elif name in GAUGES:
             out[GAUGES[name]] = v
             sources.add("sglang")
