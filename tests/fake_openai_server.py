@@ -42,6 +42,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, b'{"status":"ok"}')
         elif self.path == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": [{"id": args.model, "object": "model"}]}).encode())
+        elif self.path == "/props":  # as llama-server: its build and the model file it serves
+            self._send(200, json.dumps({"build_info": "fake-1", "model_path": f"/models/{args.model}"}).encode())
         elif self.path == "/metrics":
             text = "".join(
                 f"llamacpp:spec_decode_{k}_total {state[v]}\n"

@@ -87,3 +87,56 @@ def test_acceptance_is_read_from_llamacpp_style_responses_and_counters(lossless)
     counters = run.server_counters["speculative|concurrent@1"]
     assert counters[0]["num_draft_tokens"] == 6 * 8 and counters[0]["source"] == "llamacpp"
     assert "(llamacpp)" in stdout
+    header = stdout.split("\n\n")[0]
+    assert "sha256 unknown" in header and "server kind llama.cpp, version fake-1" in header and "None" not in header
+    facts = run.provenance["facts"]
+    assert facts["baseline"]["target"]["path"] == "/models/fake" == facts["speculative"]["target"]["path"]
+
+
+def test_named_launches_and_a_second_server_on_another_target_is_refused(tmp_path):
+    port = free_port()
+    fake = f"{sys.executable} {FAKE} --port {port}"
+    proc = cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload(tmp_path, 2),
+        "--launch",
+        f"llama-base={fake} --model a.gguf",
+        "--launch",
+        f"llama-ngram={fake} --model b.gguf",
+        "--concurrency",
+        "1",
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "configuration 'llama-ngram': the configurations differ in target" in proc.stderr
+    assert "llama-base: name a.gguf" in proc.stderr and "llama-ngram: name b.gguf" in proc.stderr
+    assert (tmp_path / "out" / "server-llama-ngram.log").exists()
+
+
+@pytest.mark.parametrize(
+    "launches, needle",
+    [
+        (["a=x", "a=y"], "a is given twice"),
+        (["base=", "spec=y"], "give a command after base="),
+        (["x", "baseline=y"], "baseline is given twice"),
+    ],
+)
+def test_bad_launch_names_are_refused(tmp_path, launches, needle):
+    args = [a for launch in launches for a in ("--launch", launch)]
+    proc = cli("evaluate", "--endpoint", "http://127.0.0.1:9", *args, "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_an_environment_assignment_is_not_a_name():
+    from specwise.harness.evaluate import launch_configs
+
+    configs = launch_configs(["CUDA_VISIBLE_DEVICES=0 vllm serve m", "spec=vllm serve m --speculative-config {}"])
+    assert [c.name for c in configs] == ["baseline", "spec"]
+    assert configs[0].launch == "CUDA_VISIBLE_DEVICES=0 vllm serve m"

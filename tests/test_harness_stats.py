@@ -130,22 +130,64 @@ def test_verdict_reject_when_sampled_output_lengths_shift():
     assert v.decision == REJECT and any("output lengths differ" in c.text for c in v.clauses)
 
 
-def test_runner_refuses_configurations_that_differ():
+def test_comparability_names_what_differs_and_says_unknown():
     from specwise.errors import SpecwiseError
-    from specwise.harness.runner import check_comparable
+    from specwise.harness.backends import check_comparable
 
-    same = {
-        "target": {"sha256": "a"},
-        "hardware": {"cpu": "x"},
-        "prompts": ["t1"],
-        "max_tokens": [8],
-        "sampling": {"temperature": 0},
-    }
+    same = {"target": {"name": "m", "sha256": "a"}, "server": {"kind": "llama.cpp", "version": "b1"}, "hardware": {}}
     check_comparable({"baseline": same, "spec": dict(same)})
-    with pytest.raises(SpecwiseError, match=r"differ in max_tokens .*baseline: \[8\]; spec: \[16\]"):
-        check_comparable({"baseline": same, "spec": {**same, "max_tokens": [16]}})
+    with pytest.raises(
+        SpecwiseError,
+        match=r"differ in server .*baseline: kind llama.cpp, version b1; spec: kind "
+        r"llama.cpp, version unknown",
+    ):
+        check_comparable({"baseline": same, "spec": {**same, "server": {"kind": "llama.cpp", "version": None}}})
     with pytest.raises(SpecwiseError, match="differ in target"):
-        check_comparable({"baseline": same, "spec": {**same, "target": {"sha256": "b"}}})
+        check_comparable({"baseline": same, "spec": {**same, "target": {"name": "m", "sha256": "b"}}})
+
+
+class TwoSystems:
+    """A backend whose configurations run on different systems: the runner must refuse before measuring."""
+
+    whole_phases = False
+
+    def __init__(self):
+        self.ran = 0
+
+    def info(self):
+        return {"target": {"name": "m"}, "hardware": {}, "configs": {}}
+
+    def facts(self, config):
+        return {"target": {"name": "m", "sha256": "a" if config == "baseline" else "b"}, "hardware": {}}
+
+    def warm_up(self):
+        pass
+
+    def run(self, *a, **k):
+        self.ran += 1
+        raise AssertionError("measured a comparison that is not like for like")
+
+    def close(self):
+        pass
+
+
+def test_the_runner_refuses_configurations_whose_systems_differ(tmp_path):
+    from specwise.errors import SpecwiseError
+    from specwise.harness.backends import Config
+    from specwise.harness.load import Load
+    from specwise.harness.runner import Plan, run
+    from specwise.harness.store import Store
+    from specwise.harness.workload import Task, Workload
+
+    plan = Plan(
+        Workload("w", [Task("t", ("g",), 8, "hi")]),
+        [Config("baseline"), Config("spec", "ngram")],
+        [Load("concurrent", 1)],
+    )
+    backend = TwoSystems()
+    with pytest.raises(SpecwiseError, match=r"differ in target .*baseline: name m, sha256 a; spec: name m, sha256 b"):
+        run(plan, Store(tmp_path / "run.db"), backend, show_progress=False)
+    assert backend.ran == 0
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate():

@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--launch",
         action="append",
-        help="with --endpoint: the command that starts one configuration's server (repeat: baseline first)",
+        metavar="[NAME=]CMD",
+        help="with --endpoint: the command that starts one configuration's server (repeat: baseline first); "
+        "NAME= (lowercase) names the configuration, else baseline, speculative, speculative-2…",
     )
     ev.add_argument(
         "--launch-timeout",

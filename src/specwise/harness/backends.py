@@ -11,6 +11,7 @@ imported only when this backend is built, so the rest of the harness never impor
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import platform
 import time
@@ -92,6 +93,36 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release what the backend holds (servers it launched, connections)."""
         ...
+
+    def facts(self, config: str) -> dict | None:
+        """What this configuration's own system reports about itself — target, server, hardware — taken from that
+        configuration (its engine, its launched server); None until it is known (a server not yet launched)."""
+        ...
+
+
+COMPARED = ("target", "server", "hardware")  # what must be the same for a paired comparison to mean anything
+
+
+def check_comparable(facts: dict[str, dict]) -> None:
+    """Refuse configurations whose systems differ in target, server build or hardware, saying what differs."""
+    names = list(facts)
+    for field_ in COMPARED:
+        values = {n: json.dumps(facts[n].get(field_), sort_keys=True) for n in names}
+        if len(set(values.values())) > 1:
+            detail = "; ".join(f"{n}: {describe(facts[n].get(field_))}" for n in names)
+            raise SpecwiseError(
+                f"the configurations differ in {field_} ({detail}): a paired comparison needs the same target, "
+                "server build and hardware"
+            )
+
+
+def describe(value) -> str:
+    """A fact for people: `unknown` where a system did not say."""
+    if value is None or value == "":
+        return "unknown"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {describe(v)}" for k, v in value.items())
+    return str(value)
 
 
 def dispatch(
@@ -189,6 +220,18 @@ class EngineBackend:
                 "draft_identity": d.provenance(self.target.identity.sha256) if d else None,
             }
         return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw, "backend": "engine"}
+
+    def facts(self, config: str) -> dict | None:
+        """From this configuration's own engine: the target it runs, this specwise, this machine."""
+        from specwise import __version__
+        from specwise.engine.weights import device_info
+
+        target = self.engines[config].target
+        return {
+            "target": target.identity.to_dict(),
+            "server": {"kind": "specwise (in process)", "version": __version__},
+            "hardware": {**hardware(), **device_info(target.device)},
+        }
 
     def warm_up(self) -> None:
         """One short generation per configuration, so the first measured request pays no one-time costs."""

@@ -8,6 +8,7 @@ cores — and prints the verdict. `--quick` is a one-minute subset.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -85,10 +86,7 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
     if getattr(args, "launch", None):
         if len(args.launch) < 2:
             raise SpecwiseError("--launch: give one command per configuration, the baseline's first (at least two)")
-        names = ["baseline"] + (
-            ["speculative"] if len(args.launch) == 2 else [f"speculative-{i}" for i in range(1, len(args.launch))]
-        )
-        return [Config(n, None, "auto", None, cmd) for n, cmd in zip(names, args.launch, strict=True)]
+        return launch_configs(args.launch)
     drafters = args.drafter or ["ngram"]
     configs = [Config("baseline")] + [
         Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k) for d in drafters
@@ -108,6 +106,31 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             )
             for c in configs
         ]
+    return configs
+
+
+LAUNCH_NAME = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")  # lowercase: `FOO=1 cmd` stays an environment assignment
+
+
+def launch_configs(launches: list[str]) -> list[Config]:
+    """`--launch [NAME=]CMD`, the baseline's first: named as given, else baseline, speculative(-i)."""
+    defaults = ["baseline"] + (
+        ["speculative"] if len(launches) == 2 else [f"speculative-{i}" for i in range(1, len(launches))]
+    )
+    configs = []
+    for default, text in zip(defaults, launches, strict=True):
+        m = LAUNCH_NAME.match(text.strip())
+        name, cmd = (m.group(1), m.group(2).strip()) if m else (default, text.strip())
+        if not cmd:
+            raise SpecwiseError(f"--launch {text!r}: give a command after {name}= (e.g. {name}=llama-server -m M.gguf)")
+        configs.append(Config(name, None, "auto", None, cmd))
+    names = [c.name for c in configs]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise SpecwiseError(
+            f"--launch: configuration names must be unique, and {', '.join(clashes)} is given twice (names: "
+            f"{', '.join(names)}); name each with NAME=CMD"
+        )
     return configs
 
 

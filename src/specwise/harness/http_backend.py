@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Phase, Request, dispatch, hardware
+from specwise.harness.backends import Config, Phase, Request, check_comparable, dispatch, hardware
 from specwise.harness.load import Load
 from specwise.harness.server_stats import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record
@@ -52,6 +52,8 @@ class HTTPBackend:
             raise SpecwiseError(f"--endpoint {endpoint!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
         self.base = endpoint.rstrip("/").removesuffix("/v1")
         self.model, self.configs = model, {c.name: c for c in configs}
+        self.user_model = model  # as given; each launched server is asked for its own when None
+        self.server_facts: dict[str, dict] = {}  # configuration → what its server reported at start
         self.temperature, self.launch_timeout, self.log_dir = temperature, launch_timeout, log_dir
         launches = [c.launch for c in configs]
         if any(launches) and not all(launches):
@@ -66,7 +68,6 @@ class HTTPBackend:
         )
         self.proc: subprocess.Popen | None = None
         self.current: str | None = None
-        self.targets: dict[str, dict] = {}
         if not self.launching:
             self.model = self._discover_model()
 
@@ -128,15 +129,14 @@ class HTTPBackend:
                 f"--launch for {name!r}: {self.base}/health did not answer 200 within {self.launch_timeout:.0f} s"
             )
         self.current = name
+        self.model = self.user_model
         self._discover_model()
-        self.targets[name] = self.target
-        first = next(iter(self.targets.values()))
-        if json.dumps(self.target, sort_keys=True) != json.dumps(first, sort_keys=True):
+        self.server_facts[name] = self._facts_now()
+        try:
+            check_comparable(self.server_facts)  # before anything of this configuration is measured
+        except SpecwiseError as exc:
             self.stop()
-            raise SpecwiseError(
-                f"configuration {name!r} serves another target ({self.target}) than the first "
-                f"({first}): a paired comparison needs the same target"
-            )
+            raise SpecwiseError(f"configuration {name!r}: {exc}") from None
         self._warm(name)
 
     def stop(self) -> None:
@@ -173,6 +173,39 @@ class HTTPBackend:
             "configs": {n: {"launch": c.launch, "options": c.options} for n, c in self.configs.items()},
             "backend": "http",
         }
+
+    def facts(self, config: str) -> dict | None:
+        """What this configuration's server reported when it started (launched), or the one shared server."""
+        if self.launching:
+            return self.server_facts.get(config)
+        if "shared" not in self.server_facts:
+            self.server_facts["shared"] = self._facts_now()
+        return self.server_facts["shared"]
+
+    def _facts_now(self) -> dict:
+        """The running server's target and build, from whichever of /v1/models (specwise), /props (llama.cpp),
+        /version (vLLM) and /get_server_info (SGLang) it answers; the client machine as hardware."""
+        target = dict(self.target)
+        server: dict = {"kind": "unknown", "version": None}
+        own = self._json("/v1/models")
+        entry: dict = next((m for m in (own or {}).get("data") or [] if m.get("id") == self.model), {})
+        if entry.get("specwise"):
+            server = {"kind": "specwise", "version": entry["specwise"].get("version")}
+        elif (props := self._json("/props")) and "build_info" in props:
+            server = {"kind": "llama.cpp", "version": props.get("build_info")}
+            target.setdefault("path", props.get("model_path"))
+        elif (ver := self._json("/version")) and "version" in ver:
+            server = {"kind": "vllm", "version": ver.get("version")}
+        elif (info := self._json("/get_server_info")) and "version" in info:
+            server = {"kind": "sglang", "version": info.get("version")}
+        return {"target": target, "server": server, "hardware": {**hardware(), "measured_from": "client"}}
+
+    def _json(self, path: str) -> dict | None:
+        try:
+            r = self._get(path)
+            return r.json() if r.status_code == 200 and isinstance(r.json(), dict) else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def warm_up(self) -> None:
         if not self.launching:

@@ -14,6 +14,7 @@ from html import escape
 
 from specwise.harness import svgplot
 from specwise.harness.analyze import load_run
+from specwise.harness.backends import describe
 from specwise.harness.load import parse_load
 from specwise.harness.results import Run
 from specwise.harness.server_stats import counts_from_counters
@@ -32,10 +33,15 @@ def console_summary(run: Run) -> str:
     prov = run.provenance
     target = prov.get("target", {})
     lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.get('specwise_version')}")
+    sha = target.get("sha256")
+    hw = prov.get("hardware", {})
     lines.append(
-        f"target {target.get('name')} (sha256 {str(target.get('sha256'))[:12]}…)  "
-        f"hardware {prov.get('hardware', {}).get('cpu')} ×{prov.get('hardware', {}).get('cpu_threads')}"
+        f"target {describe(target.get('name'))} (sha256 {sha[:12] + '…' if sha else 'unknown'})  "
+        f"hardware {describe(hw.get('cpu'))} ×{describe(hw.get('cpu_threads'))}"
     )
+    servers = {describe(f.get("server")) for f in (prov.get("facts") or {}).values() if f.get("server")}
+    if servers:
+        lines.append(f"server {'; '.join(sorted(servers))}")
     lines.append("")
     lines.append(
         f"{'config':>22} {'load':>14} {'group':>12} {'n':>3} {'E2E speedup [95% CI]':>24} "

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specwise import __version__
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Backend, Config, Request
+from specwise.harness.backends import Backend, Config, Request, check_comparable
 from specwise.harness.load import Load
 from specwise.harness.store import Record, Store
 from specwise.harness.validate import run_validators
@@ -69,20 +69,6 @@ class Plan:
         return hashlib.sha256(json.dumps(self.to_meta(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_comparable(per_config: dict[str, dict]) -> None:
-    """Refuse a comparison whose configurations differ in target, prompts, output limits, sampling or hardware."""
-    fields = ("target", "prompts", "max_tokens", "sampling", "hardware")
-    names = list(per_config)
-    for f in fields:
-        values = {n: json.dumps(per_config[n].get(f), sort_keys=True) for n in names}
-        if len(set(values.values())) > 1:
-            detail = "; ".join(f"{n}: {json.loads(v)}" for n, v in values.items())
-            raise SpecwiseError(
-                f"the configurations differ in {f} ({detail}): a paired comparison needs the same "
-                "target, prompts, output limits, sampling and hardware"
-            )
-
-
 def check_store(plan: Plan, store: Store, resume: bool) -> None:
     """Refuse to mix into a file that holds another run, or to resume one that is not there or differs."""
     meta, done, stored = plan.to_meta(), store.done_keys(), store.get_meta("plan")
@@ -115,17 +101,9 @@ def run(
     meta = plan.to_meta()
     done = store.done_keys()
     info = backend.info()
-    per_config = {
-        c.name: {
-            "target": info["target"],
-            "hardware": info["hardware"],
-            "prompts": [t.id for t in plan.workload.tasks],
-            "max_tokens": [plan.max_tokens(t) for t in plan.workload.tasks],
-            "sampling": {"temperature": plan.temperature, "seed": plan.seed},
-        }
-        for c in plan.configs
-    }
-    check_comparable(per_config)
+    # Prompts, output limits and sampling are one plan's for every configuration; what can differ is each
+    # configuration's system: its facts come from it (its engine, its launched server) and must agree.
+    check_comparable(_facts(backend, plan))
     store.set_meta("plan", meta)
     store.set_meta("fingerprint", plan.fingerprint())
     store.set_meta("provenance", {**info, "specwise_version": __version__})
@@ -184,10 +162,15 @@ def run(
                     if phase.counters:  # the server's own spec-decode counters over this phase (vLLM's names)
                         counters.setdefault(key, []).append(phase.counters)
                         store.set_meta("server_counters", counters)
+                    check_comparable(_facts(backend, plan))  # a launched server's facts are known once it ran
     if bar is not None:
         bar.close()
     # A launched server reports its target only once it runs: record what the measured servers said.
-    store.set_meta("provenance", {**backend.info(), "specwise_version": __version__})
+    store.set_meta("provenance", {**backend.info(), "specwise_version": __version__, "facts": _facts(backend, plan)})
+
+
+def _facts(backend: Backend, plan: Plan) -> dict[str, dict]:
+    return {c.name: f for c in plan.configs if (f := backend.facts(c.name)) is not None}
 
 
 def _progress(total: int, show: bool):

@@ -65,6 +65,7 @@ class ServerState:
             "policy": scheduler.policy.describe(),
             "max_batch": engine.max_batch,
             "max_len": engine.max_len,
+            "version": __version__,
         }
         return cls(scheduler, name, metrics, api_key, info)
 
