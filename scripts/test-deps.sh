@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What the tests need beyond Python packages: Debian's Chromium, for rendering the HTML report headless.
+# What the tests need beyond Python packages: Debian's Chromium, for rendering the HTML report headless, and
+# llama.cpp's llama-server, built once into the cache (scripts/llama-server.sh; ~5-8 minutes the first time).
 set -euo pipefail
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -9,3 +10,5 @@ if ! command -v chromium >/dev/null 2>&1; then
     exit 1
   fi
 fi
+cd "$(dirname "$0")/.."
+scripts/llama-server.sh >/dev/null

@@ -54,7 +54,7 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
         mean_acceptance_length=pooled.mean_acceptance_length if pooled.drafted else None,
         acceptance_by_position=pooled.acceptance_by_position,
         # drafting time as a share of the decode phase (the client's clock), as the report's draft% column says
-        drafting_share=pooled.drafting_time / decode if decode and spec else None,
+        drafting_share=pooled.drafting_time / decode if decode and pooled.drafting_time > 0 else None,  # unreported
         per_request_acceptance=[r for c in spec if (r := c.acceptance_rate) is not None],
     )
 
