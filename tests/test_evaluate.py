@@ -88,9 +88,18 @@ def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path
     url = (tmp_path / "r.html").as_uri()
     dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    for plot in ("speedup", "latency_vs_load", "acceptance_histogram", "acceptance_by_position", "ttft_vs_e2e"):
+    plots = (
+        "speedup",
+        "speedup_vs_load",
+        "latency_vs_load",
+        "acceptance_histogram",
+        "acceptance_by_position",
+        "ttft_vs_e2e",
+    )
+    for plot in plots:
         assert f'data-plot="{plot}"' in dom.stdout, plot
-    assert dom.stdout.count("<svg") >= 5 and 'class="verdict' in dom.stdout
+    assert dom.stdout.count("<svg") >= 6 and 'class="verdict' in dom.stdout
+    assert 'data-reference="1"' in dom.stdout  # the break-even line of the speedup-against-load plot
     shot = tmp_path / "report.png"
     subprocess.run(
         ["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", url],

@@ -198,3 +198,11 @@ def test_poisson_arrivals_are_seeded_and_average_the_rate():
     assert a == b and a[0] == 0.0
     gaps = np.diff(a)
     assert gaps.mean() == pytest.approx(0.5, rel=0.05) and (gaps > 0).all()
+
+
+def test_no_clear_difference_is_neutral_not_a_failure():
+    v = decide([cell("copy", 1, 0.9, 1.3), cell("copy", 4, 0.6, 0.9), cell("free", 1, 1.1, 1.4)])
+    by = {c.text.split(":")[0]: c for c in v.clauses if "E2E speedup" in c.text}
+    assert by["copy @ load 1"].neutral and not by["copy @ load 1"].ok  # the interval holds 1
+    assert not by["copy @ load 4"].neutral and not by["copy @ load 4"].ok  # loses
+    assert by["free @ load 1"].ok and not by["free @ load 1"].neutral

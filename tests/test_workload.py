@@ -90,3 +90,52 @@ def test_stratified_subset_balances_every_group():
     familiar = {t.id for t in sub.tasks if "familiar" in t.groups}
     short = {t.id for t in sub.tasks if "short-input" in t.groups}
     assert familiar != short  # tags do not coincide, so their groups measure different things
+
+
+def test_the_spec_bench_like_workload_has_six_categories_and_validators():
+    from specwise.harness.workload import builtin_workload
+
+    w = builtin_workload("spec-bench-like")
+    groups = {g for t in w.tasks for g in t.groups}
+    assert groups == {"multi-turn", "translation", "summarisation", "question-answering", "math", "retrieval"}
+    assert all(t.validators for t in w.tasks) and all(t.messages for t in w.tasks)
+    assert any(len(t.messages) > 1 for t in w.tasks if "multi-turn" in t.groups)
+    with pytest.raises(SpecwiseError, match="allowed: release-notes, spec-bench-like"):
+        builtin_workload("mt-bench")
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_passes_some_spec_bench_like_validators(tmp_path):
+    """Goodput is not zero by construction: the real model passes validators in most categories."""
+    from test_evaluate import cli
+
+    from specwise.harness.analyze import load_run
+
+    cli(
+        "evaluate",
+        "--workload",
+        "spec-bench-like",
+        "--tasks",
+        "0",
+        "--concurrency",
+        "1",
+        "--drafter",
+        "ngram",
+        "--out",
+        tmp_path,
+        "--no-progress",
+        timeout=600,
+    )
+    run = load_run(tmp_path / "run.db")
+    base = [r for r in run.analysis.table if r.config == "baseline"]
+    assert len(base) == 6 and sum(r.validation_rate > 0 for r in base) >= 4, [
+        (r.group, r.validation_rate) for r in base
+    ]
+
+
+def test_an_unknown_workload_name_is_refused(tmp_path):
+    from test_evaluate import cli
+
+    proc = cli("evaluate", "--workload", "spec-bench", "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and "neither a file nor a built-in workload" in proc.stderr
+    assert "spec-bench-like" in proc.stderr

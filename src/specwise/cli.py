@@ -60,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("evaluate", help="measure baseline against speculative configurations and give a verdict")
-    ev.add_argument("--workload", help="YAML/JSONL workload file (default: the built-in release-note workload)")
+    ev.add_argument(
+        "--workload",
+        help="a YAML/JSONL workload file, or a built-in one: release-notes (default) or spec-bench-like "
+        "(six Spec-Bench-like categories)",
+    )
     ev.add_argument(
         "--model",
         help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "

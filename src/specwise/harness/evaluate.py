@@ -22,7 +22,7 @@ from specwise.harness.load import loads_from_flags
 from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
-from specwise.harness.workload import Task, Workload, builtin_workload, load_workload
+from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
 from specwise.specs import check_drafter_spec, parse_k
 
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
@@ -134,6 +134,19 @@ def launch_configs(launches: list[str]) -> list[Config]:
     return configs
 
 
+def workload_from(value: str | None) -> Workload:
+    """--workload: a file, or the name of a built-in workload (default: release-notes)."""
+    if value is None:
+        return builtin_workload()
+    if value in BUILTIN and not Path(value).exists():
+        return builtin_workload(value)
+    if not Path(value).exists():
+        raise SpecwiseError(
+            f"--workload {value!r} is neither a file nor a built-in workload (built-in: {', '.join(BUILTIN)})"
+        )
+    return load_workload(value)
+
+
 def _check_drafter(spec, where: str):
     return None if spec is None else _where(where, check_drafter_spec, spec)
 
@@ -166,7 +179,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             "--dtype and --quantize set the in-process engine's precision; with --endpoint the server "
             "decides it (put them in the command you --launch)"
         )
-    workload = load_workload(args.workload) if args.workload else builtin_workload()
+    workload = workload_from(args.workload)
     n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
     if n_tasks < 0:
         raise SpecwiseError(f"--tasks {n_tasks} is not allowed: give 0 (all) or a positive number")

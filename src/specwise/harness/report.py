@@ -18,9 +18,17 @@ from specwise.harness.backends import describe
 from specwise.harness.load import parse_load
 from specwise.harness.results import Run
 from specwise.harness.server_stats import counts_from_counters
-from specwise.harness.verdict import load_name
+from specwise.harness.verdict import Clause, load_name
 
 __all__ = ["console_summary", "html_report", "load_run", "plots", "to_csv", "to_json"]
+
+
+def _mark(clause: Clause) -> str:
+    return "ok" if clause.ok else ("--" if clause.neutral else "!!")
+
+
+def _css(clause: Clause) -> str:
+    return "ok" if clause.ok else ("neutral" if clause.neutral else "bad")
 
 
 def _fmt(v, spec: str = ".3f") -> str:
@@ -94,7 +102,7 @@ def console_summary(run: Run) -> str:
                 f"VERDICT for {config} ({'concurrency' if kind == 'concurrent' else 'arrival rate'}): "
                 f"{v.headline(load_name(kind))}"
             )
-            lines += [f"  [{'ok' if cl.ok else '!!'}] {cl.text}" for cl in v.clauses]
+            lines += [f"  [{_mark(cl)}] {cl.text}" for cl in v.clauses]
     return "\n".join(lines)
 
 
@@ -104,6 +112,15 @@ def plots(run: Run) -> dict[str, str]:
     out = {}
     rows = [(f"{c.group} {c.load}", c.e2e_speedup.value, c.e2e_speedup.lo, c.e2e_speedup.hi) for c in a.comparisons]
     out["speedup"] = svgplot.interval_chart("E2E speedup per group (95% CI)", rows, x_label="baseline E2E / spec E2E")
+    by_group: dict[str, list[tuple[float, float, float, float]]] = {}
+    for c in a.comparisons:  # speedup against load: one line per configuration × group, closed-loop loads
+        load = parse_load(c.load)
+        if load.kind == "concurrent":
+            e = c.e2e_speedup
+            by_group.setdefault(f"{c.config}: {c.group}", []).append((load.value, e.value, e.lo, e.hi))
+    out["speedup_vs_load"] = svgplot.band_chart(
+        "E2E speedup against concurrency (95% CI; dashed: break-even)", by_group, "concurrency", "speedup", 1.0
+    )
     first = a.groups[0] if a.groups else None
     series: dict[str, list[tuple[float, float]]] = {}
     for row in a.table:
@@ -150,7 +167,7 @@ def html_report(run: Run) -> str:
     verdicts = ""
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
-            items = "".join(f'<li class="{"ok" if c.ok else "bad"}">{escape(c.text)}</li>' for c in v.clauses)
+            items = "".join(f'<li class="{_css(c)}">{escape(c.text)}</li>' for c in v.clauses)
             verdicts += (
                 f'<section class="verdict {v.decision}"><h2>{escape(config)}: '
                 f"{escape(v.headline(load_name(kind)))}</h2><ul>{items}</ul></section>"
@@ -196,7 +213,7 @@ body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
 figure{{display:inline-block;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
 table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
 .verdict{{border-left:6px solid #999;padding:0.2em 1em;margin:1em 0}}.adopt{{border-color:#59a14f}}
-.conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}li.bad{{color:#b00}}
+.conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}li.bad{{color:#b00}}li.neutral{{color:#666}}
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,

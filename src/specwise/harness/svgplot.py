@@ -148,3 +148,44 @@ def histogram(
         counts[min(bins - 1, max(0, int((v - lo) / (hi - lo) * bins)))] += 1
     labels = [f"{lo + (hi - lo) * i / bins:.1f}" for i in range(bins)]
     return bar_chart(title, list(zip(labels, counts, strict=False)), x_label, "requests")
+
+
+def band_chart(
+    title: str,
+    series: dict[str, list[tuple[float, float, float, float]]],
+    x_label: str = "",
+    y_label: str = "",
+    reference: float | None = None,
+) -> str:
+    """Lines of (x, value, lo, hi) with their interval as a shaded band, and a dashed horizontal reference line (the
+    break-even speedup of 1, say)."""
+    pts = [p for s in series.values() for p in s]
+    if not pts:
+        return _frame(title, '<text x="50%" y="50%" text-anchor="middle">no data</text>')
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    x1 = x1 if x1 > x0 else x0 + 1
+    values = [v for p in pts for v in p[1:]] + ([reference] if reference is not None else [])
+    y0, y1 = min(0.0, min(values)), max(values) * 1.1 or 1.0
+    sx = lambda v: L + (v - x0) / (x1 - x0) * (W - L - R)  # noqa: E731
+    sy = lambda v: H - B - (v - y0) / (y1 - y0) * (H - T - B)  # noqa: E731
+    out = [_xaxis(x0, x1, sx), _yaxis(y0, y1, sy)]
+    if reference is not None:
+        out.append(
+            f'<line x1="{L}" y1="{sy(reference):.1f}" x2="{W - R}" y2="{sy(reference):.1f}" stroke="#333" '
+            f'stroke-dasharray="5,4" data-reference="{reference:g}"/>'
+        )
+    for i, (name, s) in enumerate(series.items()):
+        c = COLORS[i % len(COLORS)]
+        s = sorted(s)
+        band = [f"{sx(x):.1f},{sy(hi):.1f}" for x, _, _, hi in s] + [
+            f"{sx(x):.1f},{sy(lo):.1f}" for x, _, lo, _ in s[::-1]
+        ]
+        out.append(f'<polygon points="{" ".join(band)}" fill="{c}" fill-opacity="0.15" stroke="none"/>')
+        path = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v, _, _ in s)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
+        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="3" fill="{c}"/>' for x, v, _, _ in s]
+        out.append(
+            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
+            f'fill="{c}">{escape(name)}</text>'
+        )
+    return _frame(title, "".join(out), x_label, y_label)

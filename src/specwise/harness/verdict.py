@@ -43,6 +43,7 @@ class Cell:
 class Clause:
     ok: bool
     text: str
+    neutral: bool = False  # neither evidence for nor against (no clear difference): not shown as a failure
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Verdict:
             d["decision"],
             d.get("threshold"),
             list(d.get("groups") or []),
-            [Clause(c["ok"], c["text"]) for c in d.get("clauses") or []],
+            [Clause(c["ok"], c["text"], bool(c.get("neutral"))) for c in d.get("clauses") or []],
             bool(d.get("everywhere")),
         )
 
@@ -141,6 +142,7 @@ def decide(
                 f"{c.group} @ {load_name} {c.load:g}: E2E speedup "
                 f"{c.speedup:.2f}x [95% CI {c.lo:.2f}–{c.hi:.2f}, n={c.n}] — "
                 f"{verb}",
+                neutral=not wins[(c.group, c.load)] and c.hi >= 1,  # not shown to win, not shown to lose
             )
         )
     if not safe:

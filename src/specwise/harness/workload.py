@@ -151,10 +151,16 @@ def _task(t: object, where: str) -> Task:
 SYSTEM = "You are a release-note assistant. You turn engineering notes into release notes for users."
 
 
+BUILTIN = ("release-notes", "spec-bench-like")
+
+
 def builtin_workload(name: str = "release-notes") -> Workload:
-    """The release-note assistant: every note set as a summary task and a draft task."""
-    if name != "release-notes":
-        raise SpecwiseError(f"unknown built-in workload {name!r} (allowed: release-notes)")
+    """A built-in workload: the release-note assistant (every note set as a summary task and a draft task), or
+    `spec-bench-like` (data/spec_bench_like.yaml: Spec-Bench's six categories, small, with validators)."""
+    if name not in BUILTIN:
+        raise SpecwiseError(f"unknown built-in workload {name!r} (allowed: {', '.join(BUILTIN)})")
+    if name == "spec-bench-like":
+        return load_workload(DATA / "spec_bench_like.yaml")
     doc = yaml.safe_load((DATA / "release_notes.yaml").read_text())
     tasks = []
     for ns in doc["note_sets"]:
