@@ -15,7 +15,7 @@ from specwise.errors import SpecwiseError
 
 if TYPE_CHECKING:
     from specwise.engine import GenerationResult
-from specwise.specs import DTYPES, K_MAX, QUANTIZE, parse_k
+from specwise.specs import DTYPES, EXPORT_FORMATS, K_MAX, QUANTIZE, parse_k
 
 DTYPE_HELP = (
     "weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
@@ -34,6 +34,13 @@ def _k(value: str) -> int | str:
         return parse_k(value)
     except SpecwiseError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _k_list(value: str) -> list[int | str]:
+    ks = [_k(v.strip()) for v in value.split(",")]
+    if len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"{value!r} repeats a draft length: give each once")
+    return ks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--drafter", action="append", help="a speculative configuration's drafter (repeatable; default ngram)"
     )
-    ev.add_argument("--k", type=_k, default="auto", help="draft length for --drafter configurations (default auto)")
+    ev.add_argument(
+        "--k",
+        type=_k_list,
+        default=["auto"],
+        help="draft length(s) for --drafter configurations: one (default auto), or a sweep such as 1,2,4,8 (one "
+        "configuration per drafter and k; `specwise export-config` turns the sweep into server settings)",
+    )
     ev.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4 (default 1,4; --quick 1,2)")
     ev.add_argument("--rate", default=None, help="open-loop Poisson arrival rates in requests/s, e.g. 0.5,1")
     ev.add_argument(
@@ -136,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="4",
         help="auto: HIGH[:LOW] — drafting stops above HIGH running+waiting requests, resumes at LOW (default 4:2)",
     )
-    srv.add_argument("--policy-from", help="take the auto policy's threshold from an evaluation run (run.db)")
+    srv.add_argument(
+        "--policy-from",
+        help="take the policy from an evaluation run (run.db: the auto threshold) or from a policy file (.json, "
+        "from `specwise export-config --format specwise`: a k per load)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -162,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drift-window", default="1h", help="window of recent requests the gauges compare (default 1h)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
+
+    exp = sub.add_parser("export-config", help="the draft lengths a k sweep chose, as a server's settings")
+    exp.add_argument("db", help="a run's results file (run.db) with a k sweep (evaluate --k 1,2,4,8)")
+    exp.add_argument(
+        "--format", required=True, choices=EXPORT_FORMATS, help="what to write: " + ", ".join(EXPORT_FORMATS)
+    )
+    exp.add_argument("--drafter", help="which swept drafter (when the run swept several)")
+    exp.add_argument("--out", help="write it to this file (default: standard output)")
+    exp.set_defaults(func=cmd_export)
 
     rep = sub.add_parser("report", help="console summary and HTML/JSON/CSV report of a run")
     rep.add_argument("db", help="a run's results file (run.db)")
@@ -248,6 +274,20 @@ def cmd_report(args: argparse.Namespace) -> int:
         _write(Path(args.json_path), to_json(run))
     if args.csv_path:
         _write(Path(args.csv_path), to_csv(run))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from specwise.harness.analyze import load_run
+    from specwise.harness.export import export_config
+
+    text, notes = export_config(load_run(args.db), args.format, args.drafter)
+    if args.out:
+        _write(Path(args.out), text + "\n")
+    else:
+        print(text)
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
     return 0
 
 

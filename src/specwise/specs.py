@@ -14,6 +14,7 @@ K_MAX = 16  # the largest draft length any configuration may ask for
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
 DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
+EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
 DRAFTER_HELP = "ngram, ngram:N, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
 
 

@@ -136,6 +136,7 @@ class Engine:
         self.drafters: dict[str, Drafter] = {}  # every drafter a request may name; the first is the default
         self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
         self.speculate = True  # the server's load policy turns drafting off for whole steps
+        self.k_limit: int | None = None  # … and may cap the draft length (a per-load k table)
         self.last_step_rows: list[tuple[int, int]] = []
         self._probe_wait = 0  # batch steps since a lone probe was let through (see `_plan`)
         # Per drafter, the recent requests' per-token acceptance: where adaptive k starts a new request, so that
@@ -459,7 +460,8 @@ class Engine:
         if seq.controller is None or not self.speculate:
             return 0
         room = min(self.max_len - len(seq.token_ids), seq.params.max_new_tokens - len(seq.output_ids)) - 1
-        return max(0, min(seq.controller.choose(), room))
+        k = seq.controller.choose() if self.k_limit is None else min(seq.controller.choose(), self.k_limit)
+        return max(0, min(k, room))
 
     def _commit(self, seq: Sequence, new: list[int]) -> StreamEvent:
         """Append verified tokens, cut at EOS / max_new_tokens / a stop string, and build the stream event."""

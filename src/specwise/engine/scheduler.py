@@ -22,7 +22,7 @@ from specwise.errors import SpecwiseError
 
 log = logging.getLogger("specwise.scheduler")
 Sink = Callable[[StreamEvent | BaseException], None]
-POLICIES = ("always", "never", "auto")
+POLICIES = ("always", "never", "auto", "table")
 
 
 class QueueFull(SpecwiseError):
@@ -43,6 +43,8 @@ class Policy:
     low: int | None = None
     on: bool = True
     switches: int = 0  # times auto turned drafting off or back on
+    table: list[tuple[int, int]] | None = None  # mode "table": (highest load, k) rows, k 0 = off; off above the last
+    k_limit: int | None = None  # the table's k for the current load (None: no limit)
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
@@ -57,10 +59,17 @@ class Policy:
                 f"{self.high - 1} (below the high threshold {self.high})"
             )
         self.on = self.mode != "never"
+        if self.mode == "table" and not self.table:
+            raise SpecwiseError("policy 'table' needs its (load, k) rows: give them with --policy-from a policy file")
 
     def update(self, load: int) -> bool:
         """Whether the next step drafts, given the current load."""
-        if self.mode == "auto":
+        if self.mode == "table" and self.table:
+            k = next((k for hi, k in self.table if load <= hi), 0)  # above the highest measured level: off
+            if (k > 0) != self.on:
+                self.on, self.switches = k > 0, self.switches + 1
+            self.k_limit = k or None
+        elif self.mode == "auto":
             if self.on and load > self.high:
                 self.on, self.switches = False, self.switches + 1
             elif not self.on and load <= (self.low or 0):  # low is set in __post_init__
@@ -68,6 +77,9 @@ class Policy:
         return self.on
 
     def describe(self) -> str:
+        if self.mode == "table" and self.table:
+            rows = ", ".join(f"k={k} up to {hi}" if k else f"off up to {hi}" for hi, k in self.table)
+            return f"table ({rows}; off above {self.table[-1][0]} requests)"
         if self.mode == "auto":
             return f"auto (off above {self.high} requests, back on at {self.low} or fewer)"
         return self.mode
@@ -186,6 +198,7 @@ class Scheduler:
                 continue
             load = len(engine.running) + len(engine.waiting)
             engine.speculate = self.policy.update(load)
+            engine.k_limit = self.policy.k_limit
             t0 = time.perf_counter()
             try:
                 events = engine.step()

@@ -12,7 +12,17 @@ from pathlib import Path
 
 from specwise.errors import SpecwiseError
 from specwise.harness.load import Load
-from specwise.harness.results import Analysis, Comparison, Determinism, Row, Run, read_run
+from specwise.harness.results import (
+    Analysis,
+    BestK,
+    Comparison,
+    Determinism,
+    KChoice,
+    Row,
+    Run,
+    StoredPlan,
+    read_run,
+)
 from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Cell, Verdict, decide, load_name, policy_from_verdict
@@ -127,7 +137,45 @@ def analyze(run: Run) -> Analysis:
         verdicts,
         greedy,
         determinism,
+        *k_sweep(plan, comparisons),
     )
+
+
+def k_sweep(plan: StoredPlan, comparisons: list[Comparison]) -> tuple[list[BestK], list[KChoice]]:
+    """Best k per drafter, load and group, and one k per drafter and closed-loop load, for every drafter the plan
+    ran with two or more numeric draft lengths."""
+    sweeps: dict[str, dict[str, int]] = defaultdict(dict)  # drafter → config name → k
+    for c in plan.configs[1:]:
+        if c.drafter and isinstance(c.k, int):
+            sweeps[c.drafter][c.name] = c.k
+    best, choices = [], []
+    for drafter, ks in sweeps.items():
+        if len(ks) < 2:
+            continue
+        for load in plan.loads:
+            cells = [c for c in comparisons if c.config in ks and c.load == load.name]
+            groups = sorted({c.group for c in cells})
+            won: dict[int, int] = defaultdict(int)
+            lost: dict[int, int] = defaultdict(int)
+            total: dict[int, float] = defaultdict(float)
+            for g in groups:
+                by_k = {ks[c.config]: c.e2e_speedup for c in cells if c.group == g}
+                k = max(by_k, key=lambda kk: (by_k[kk].value, -kk))
+                iv = by_k[k]
+                others = [v.hi for kk, v in by_k.items() if kk != k]
+                best.append(
+                    BestK(drafter, load.name, g, k, iv, iv.lo > 1, all(iv.lo > h for h in others), sorted(by_k))
+                )
+                for kk, v in by_k.items():
+                    won[kk] += v.lo > 1
+                    lost[kk] += v.hi < 1
+                    total[kk] += v.value
+            if load.kind == "concurrent" and groups:
+                safe = [kk for kk in won if lost[kk] == 0]  # a k that loses in some group is not a server setting
+                top = max(safe, key=lambda kk: (won[kk], total[kk])) if safe else None
+                k = top if top is not None and won[top] > 0 else 0
+                choices.append(KChoice(drafter, load.name, load.value, k, won[k] if k else 0, len(groups)))
+    return best, choices
 
 
 def reference_load(loads: list[Load]) -> str | None:

@@ -89,7 +89,7 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
         return launch_configs(args.launch)
     drafters = args.drafter or ["ngram"]
     configs = [Config("baseline")] + [
-        Config(f"{_check_drafter(d, '--drafter')} k={args.k}", d, args.k) for d in drafters
+        Config(f"{_check_drafter(d, '--drafter')} k={k}", d, k) for d in drafters for k in _ks(args.k)
     ]
     if getattr(args, "endpoint", None):  # specwise serve chooses per request; other servers need --launch
         configs = [
@@ -132,6 +132,10 @@ def launch_configs(launches: list[str]) -> list[Config]:
             f"{', '.join(names)}); name each with NAME=CMD"
         )
     return configs
+
+
+def _ks(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def workload_from(value: str | None) -> Workload:

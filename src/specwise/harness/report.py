@@ -16,11 +16,28 @@ from specwise.harness import svgplot
 from specwise.harness.analyze import load_run
 from specwise.harness.backends import describe
 from specwise.harness.load import parse_load
-from specwise.harness.results import Run
+from specwise.harness.results import Analysis, Run
 from specwise.harness.server_stats import counts_from_counters
 from specwise.harness.verdict import Clause, load_name
 
 __all__ = ["console_summary", "html_report", "load_run", "plots", "to_csv", "to_json"]
+
+
+def _best_k_lines(a: Analysis) -> list[str]:
+    """The k sweep's table: the best swept k per drafter, load and group, then one k per load for a server."""
+    if not a.best_k:
+        return []
+    lines = ["", "best draft length of the sweep (by E2E speedup; `clear` when its CI lies above every other k's)"]
+    lines.append(f"{'drafter':>14} {'load':>14} {'group':>12} {'best k':>6} {'E2E speedup [95% CI]':>24} {'vs off':>8}")
+    for b in a.best_k:
+        s = b.speedup
+        verdict = "beats" if b.beats_off else ("loses" if s.hi < 1 else "unclear")
+        lines.append(
+            f"{b.drafter:>14} {b.load:>14} {b.group:>12} {b.k:>6} {s.value:>8.2f}x [{s.lo:.2f}–{s.hi:.2f}]    "
+            f"{verdict:>8}{'  clear' if b.clearly_best else ''}"
+        )
+    lines += ["one k per load for a server setting (specwise export-config):"] + [f"  {c.text()}" for c in a.k_choices]
+    return lines
 
 
 def _mark(clause: Clause) -> str:
@@ -62,6 +79,7 @@ def console_summary(run: Run) -> str:
             f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
             f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}"
         )
+    lines += _best_k_lines(a)
     findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
     if findings:
         lines.append("")

@@ -139,6 +139,42 @@ class Determinism:
 
 
 @dataclass
+class BestK:
+    """Of a drafter's swept draft lengths, the one with the highest E2E speedup in one group at one load."""
+
+    drafter: str
+    load: str
+    group: str
+    k: int
+    speedup: Interval
+    beats_off: bool  # its interval's lower bound is above 1
+    clearly_best: bool  # its lower bound is above every other swept k's upper bound
+    candidates: list[int]
+
+
+@dataclass
+class KChoice:
+    """One draft length per closed-loop load level for a server setting (a server takes one k per load, not per
+    group): among the swept ks that lose to speculation-off in no group, the one that beats it in the most groups
+    (ties to the higher mean speedup); 0 = off when none beats it anywhere."""
+
+    drafter: str
+    load: str
+    concurrency: float
+    k: int
+    groups_won: int
+    groups: int
+
+    def text(self) -> str:
+        if self.k == 0:
+            return (
+                f"{self.drafter} @ {self.load}: off (no swept k beats speculation-off in a group without losing in "
+                f"another, of {self.groups} groups)"
+            )
+        return f"{self.drafter} @ {self.load}: k={self.k} (beats off in {self.groups_won} of {self.groups} groups)"
+
+
+@dataclass
 class Analysis:
     baseline: str
     configs: list[str]
@@ -149,6 +185,8 @@ class Analysis:
     verdicts: dict[str, dict[str, Verdict]]  # config → load kind ("concurrent" / "poisson") → verdict
     greedy: bool
     determinism: list[Determinism] = field(default_factory=list)  # greedy runs: the baseline against itself
+    best_k: list[BestK] = field(default_factory=list)  # with a k sweep (--k 1,2,4,8): per drafter, load, group
+    k_choices: list[KChoice] = field(default_factory=list)  # … and per drafter and closed-loop load
 
     def to_dict(self) -> dict:
         return asdict(self)

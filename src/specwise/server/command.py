@@ -11,6 +11,7 @@ import sys
 
 from specwise.errors import SpecwiseError
 from specwise.harness.analyze import policy_from_run
+from specwise.harness.export import read_policy_file
 from specwise.monitor.drift import load_baseline, parse_window
 from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import RequestLog
@@ -40,7 +41,17 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
     why = None
-    if args.policy_from:
+    if args.policy_from and args.policy_from.endswith(".json"):  # specwise export-config --format specwise
+        drafter, table = read_policy_file(args.policy_from)
+        if args.drafter and args.drafter != drafter:
+            raise SpecwiseError(
+                f"--policy-from {args.policy_from} was measured with drafter {drafter!r}, "
+                f"not --drafter {args.drafter!r}"
+            )
+        args.drafter = args.drafter or drafter
+        policy = Policy("table", table=table)
+        why = f"{args.policy_from}: per-load k of {drafter}"
+    elif args.policy_from:
         mode, high, why = policy_from_run(args.policy_from)
         policy = Policy(mode, high or 1)
     else:
