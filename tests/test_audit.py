@@ -3,6 +3,7 @@ llama.cpp's does): speculation is blamed only for what the baseline does not do 
 from a llama.cpp-style server's responses and counters."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,31 @@ def test_an_environment_assignment_is_not_a_name():
     configs = launch_configs(["CUDA_VISIBLE_DEVICES=0 vllm serve m", "spec=vllm serve m --speculative-config {}"])
     assert [c.name for c in configs] == ["baseline", "spec"]
     assert configs[0].launch == "CUDA_VISIBLE_DEVICES=0 vllm serve m"
+
+
+def test_a_launched_server_that_never_becomes_healthy_is_stopped_with_its_log_tail(tmp_path):
+    port = free_port()
+    hang = f"{sys.executable} -c \"print('loading weights', flush=True); import time; time.sleep(120)\""
+    start = time.monotonic()
+    proc = cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload(tmp_path, 2),
+        "--launch",
+        hang,
+        "--launch",
+        hang,
+        "--launch-timeout",
+        "3",
+        "--concurrency",
+        "1",
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and time.monotonic() - start < 60
+    assert "did not answer 200 within 3 s" in proc.stderr and "loading weights" in proc.stderr

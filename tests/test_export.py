@@ -220,6 +220,7 @@ def test_evaluate_sweeps_k_in_process(tmp_path, tiny_dir):
     assert run.analysis.configs == ["baseline", "ngram k=1", "ngram k=3"]
     assert {b.k for b in run.analysis.best_k} <= {1, 3} and len(run.analysis.k_choices) == 1
     assert "best draft length of the sweep" in proc.stdout
+    assert 'data-table="best-k"' in (tmp_path / "out" / "report.html").read_text()
 
 
 @pytest.mark.parametrize("value, needle", [("1,1", "repeats a draft length"), ("1,99", "k=99 is not allowed")])

@@ -125,8 +125,10 @@ class HTTPBackend:
             time.sleep(0.5)
         else:
             self.stop()
+            tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
             raise SpecwiseError(
-                f"--launch for {name!r}: {self.base}/health did not answer 200 within {self.launch_timeout:.0f} s"
+                f"--launch for {name!r}: {self.base}/health did not answer 200 within {self.launch_timeout:.0f} s "
+                f"(--launch-timeout); the server was stopped; its log ({log_path}) ends:\n{tail}"
             )
         self.current = name
         self.model = self.user_model

@@ -182,6 +182,33 @@ def html_report(run: Run) -> str:
         if findings
         else ""
     )
+    best_k = ""
+    if a.best_k:
+        rows_k = "".join(
+            "<tr>"
+            + "".join(
+                f"<td>{escape(str(x))}</td>"
+                for x in (
+                    b.drafter,
+                    b.load,
+                    b.group,
+                    b.k,
+                    f"{b.speedup.value:.2f}x",
+                    f"{b.speedup.lo:.2f}–{b.speedup.hi:.2f}",
+                    "beats" if b.beats_off else ("loses" if b.speedup.hi < 1 else "unclear"),
+                    "yes" if b.clearly_best else "no",
+                )
+            )
+            + "</tr>"
+            for b in a.best_k
+        )
+        head_k = ["drafter", "load", "group", "best k", "E2E speedup", "95% CI", "vs off", "clearly best"]
+        best_k = (
+            f'<h2>Best draft length (k sweep)</h2><table data-table="best-k"><tr>'
+            f"{''.join(f'<th>{h}</th>' for h in head_k)}</tr>{rows_k}</table><ul>"
+            + "".join(f"<li>{escape(c.text())}</li>" for c in a.k_choices)
+            + "</ul>"
+        )
     verdicts = ""
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():
@@ -236,7 +263,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
 configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
-{verdicts}{determinism}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
+{verdicts}{determinism}{best_k}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 
