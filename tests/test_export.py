@@ -3,15 +3,12 @@ settings; the specwise policy file read back by `specwise serve --policy-from`."
 
 import json
 import random
-import subprocess
-import sys
-import time
 
 import httpx
 import jsonschema
 import pytest
 from test_evaluate import cli
-from test_server import free_port
+from test_server import serve_process
 
 from specwise.harness.analyze import load_run
 from specwise.harness.backends import Config
@@ -146,34 +143,9 @@ def test_a_run_without_a_sweep_gives_no_k_table(tmp_path):
 def test_serve_runs_the_exported_per_load_k_table(tmp_path, tiny_dir):
     db = sweep_run(tmp_path / "run.db")
     cli("export-config", db, "--format", "specwise", "--out", tmp_path / "policy.json")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specwise.cli",
-            "serve",
-            "--model",
-            str(tiny_dir),
-            "--port",
-            str(port),
-            "--policy-from",
-            str(tmp_path / "policy.json"),
-            "--served-model-name",
-            "tiny",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+    with serve_process(
+        "--model", tiny_dir, "--policy-from", tmp_path / "policy.json", "--served-model-name", "tiny"
+    ) as url:
         info = httpx.get(url + "/v1/models").json()["data"][0]["specwise"]
         assert (
             info["drafters"] == ["ngram"] and info["policy"] == "table (k=2 up to 1, off up to 4; off above 4 requests)"
@@ -185,9 +157,6 @@ def test_serve_runs_the_exported_per_load_k_table(tmp_path, tiny_dir):
         ).json()
         spec = r["usage"]["speculative"]
         assert spec["drafted_tokens"] > 0 and len(spec["drafted_per_position"]) <= 2  # alone: k capped at 2
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_a_bad_policy_file_is_refused(tmp_path, tiny_dir):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +50,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(*args, timeout: float = 60.0):
+    """`specwise serve ARGS` on a free port in a process of its own, once it answers /v1/models; yields its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "specwise.cli", "serve", "--port", str(port), *map(str, args)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models").status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 class Live:
@@ -680,8 +702,6 @@ def test_policy_from_a_run_reads_the_stored_verdicts_without_analysing(http_run,
 
 
 def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_path):
-    import subprocess
-    import sys
 
     from specwise.harness.analyze import load_run, policy_from_run
     from specwise.harness.verdict import policy_from_verdict
@@ -690,37 +710,9 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
     expected = policy_from_verdict(run.analysis.verdicts["ngram k=auto"]["concurrent"], [1, 2])
     mode, high, why = policy_from_run(str(http_run))
     assert (mode, high) == expected and "ngram k=auto" in why
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specwise.cli",
-            "serve",
-            "--model",
-            str(tiny_dir),
-            "--port",
-            str(port),
-            "--drafter",
-            "ngram",
-            "--policy-from",
-            str(http_run),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
-                    break
-            time.sleep(0.2)
-        policy = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["specwise"]["policy"]
+    with serve_process("--model", tiny_dir, "--drafter", "ngram", "--policy-from", http_run) as url:
+        policy = httpx.get(url + "/v1/models").json()["data"][0]["specwise"]["policy"]
         assert policy.startswith(expected[0]) and (expected[1] is None or f"above {expected[1]} " in policy)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize(
