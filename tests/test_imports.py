@@ -21,6 +21,7 @@ TORCH_FREE_MODULES = [
     "specwise.server",
     "specwise.server.protocol",
     "specwise.server.command",
+    "specwise.server.policy_client",
 ]
 
 

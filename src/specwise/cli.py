@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument(
+        "--admin-key",
+        default=os.environ.get("SPECWISE_ADMIN_KEY"),
+        help="enable the admin API (GET/PUT /admin/policy: change the policy at run time) with this key of its own "
+        "(default $SPECWISE_ADMIN_KEY; off when unset)",
+    )
     srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
     srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
@@ -177,8 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="an evaluation run (run.db): export specwise_acceptance_rate and specwise_drift_alert gauges on /metrics",
     )
     srv.add_argument("--drift-window", default="1h", help="window of recent requests the gauges compare (default 1h)")
+    srv.add_argument(
+        "--on-drift",
+        choices=["alert", "revert"],
+        default="alert",
+        help="with --drift-baseline: alert (raise the gauge, default) or revert (also turn speculation off, once; a "
+        "person turns it back on with `specwise policy set`)",
+    )
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
+
+    pol = sub.add_parser("policy", help="show or change a running specwise serve's load policy (admin API)")
+    pol.add_argument("action", choices=["show", "set"])
+    pol.add_argument("mode", nargs="?", choices=["always", "never", "auto", "table"], help="with set: the new mode")
+    pol.add_argument("--endpoint", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    pol.add_argument("--admin-key", default=os.environ.get("SPECWISE_ADMIN_KEY"), help="default $SPECWISE_ADMIN_KEY")
+    pol.add_argument("--threshold", help="with auto: HIGH[:LOW] requests (as serve --policy-threshold)")
+    pol.add_argument("--table", help="with table: LOAD:K,… e.g. 1:4,4:2,8:0 (k per highest load; off above)")
+    pol.add_argument("--from", dest="from_file", help="a policy file (specwise export-config --format specwise)")
+    pol.add_argument("--reason", help="why, recorded with the change")
+    pol.set_defaults(func=cmd_policy)
 
     exp = sub.add_parser("export-config", help="the draft lengths a k sweep chose, as a server's settings")
     exp.add_argument("db", help="a run's results file (run.db) with a k sweep (evaluate --k 1,2,4,8)")
@@ -274,6 +298,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         _write(Path(args.json_path), to_json(run))
     if args.csv_path:
         _write(Path(args.csv_path), to_csv(run))
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from specwise.server.policy_client import policy_request
+
+    print(policy_request(args))
     return 0
 
 

@@ -56,7 +56,8 @@ class Policy:
         if not isinstance(self.low, int) or not 0 <= self.low < self.high:
             raise SpecwiseError(
                 f"policy low threshold {self.low!r} is not allowed: it must be from 0 to "
-                f"{self.high - 1} (below the high threshold {self.high})"
+                f"{self.high - 1} (below the high threshold {self.high})",
+                param="low",
             )
         self.on = self.mode != "never"
         if self.mode == "table" and not self.table:
@@ -83,6 +84,20 @@ class Policy:
         if self.mode == "auto":
             return f"auto (off above {self.high} requests, back on at {self.low} or fewer)"
         return self.mode
+
+
+@dataclass(frozen=True)
+class PolicyChange:
+    """One replacement of the load policy at run time: when, from what to what, by whom (`admin`, `drift`) and why."""
+
+    time: float
+    old: str
+    new: str
+    by: str
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"time": self.time, "old": self.old, "new": self.new, "by": self.by, "reason": self.reason}
 
 
 @dataclass
@@ -117,6 +132,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.recent_e2e = 1.0  # smoothed seconds per request, for Retry-After
+        self.policy_changes: list[PolicyChange] = []
+        self.on_policy: list[Callable[[PolicyChange], None]] = []  # told of each change, on the loop's thread
 
     # --- callers' side -------------------------------------------------------------------------------------
 
@@ -153,6 +170,10 @@ class Scheduler:
         self._inbox.put(("submit", seq, sink))
         return seq
 
+    def set_policy(self, policy: Policy, by: str, reason: str = "") -> None:
+        """Replace the load policy from the next step on (running requests carry on under it); any thread."""
+        self._inbox.put(("policy", (policy, by, reason), None))
+
     def cancel(self, request_id: str) -> None:
         """Drop a request (its client went away): its slot is free from the next step on."""
         self._inbox.put(("cancel", request_id, None))
@@ -183,10 +204,25 @@ class Scheduler:
                     self._pending -= 1
             elif kind == "cancel" and self.engine.cancel(payload):
                 self._sinks.pop(payload, None)
+            elif kind == "policy":
+                self._apply_policy(*payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_policy(self, policy: Policy, by: str, reason: str) -> None:
+        old = self.policy
+        policy.switches = old.switches  # /metrics counts switches as one running total
+        self.policy = policy
+        self.engine.k_limit = None
+        change = PolicyChange(time.time(), old.describe(), policy.describe(), by, reason)
+        self.policy_changes.append(change)
+        for hook in self.on_policy:
+            try:
+                hook(change)
+            except Exception:  # a hook (log, metrics) must not stop the engine
+                log.exception("policy change hook failed")
 
     def _loop(self) -> None:
         engine = self.engine

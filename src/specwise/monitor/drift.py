@@ -182,8 +182,9 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
         per_request = [s["speedup"] for s in samples if s["speedup"] is not None]
         metric = "speedup estimate (tokens/step × (1 − draft share))"
         rates = now["acceptance rate"]
-        rate_fell = (
-            bool(rates and base.acceptance_rate)
+        rate_fell = (  # fewer than MIN_N requests: reported, not judged (one bad request is not a trend)
+            len(rates) >= MIN_N
+            and bool(base.acceptance_rate)
             and np.mean(base.acceptance_rate) - np.mean(rates) >= MIN_EFFECT["acceptance rate"]
         )
         tested = len(base.speedups) >= MIN_N and len(per_request) >= MIN_N

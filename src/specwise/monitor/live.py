@@ -11,8 +11,10 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from specwise.errors import SpecwiseError
 from specwise.monitor.drift import Baseline, compare
 from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
@@ -21,6 +23,7 @@ if TYPE_CHECKING:  # the server hands in the engine's objects; importing them wo
     from specwise.engine.engine import GenerationResult, Sequence
 
 log = logging.getLogger("specwise.server")
+ON_DRIFT = ("alert", "revert")
 
 
 class DriftWatch:
@@ -35,13 +38,18 @@ class DriftWatch:
         window_seconds: float = 3600.0,
         alpha: float = 0.01,
         max_recent: int = 20000,
+        on_drift: str = "alert",
+        revert: Callable[[str], None] | None = None,
     ):
+        if on_drift not in ON_DRIFT:
+            raise SpecwiseError(f"--on-drift {on_drift!r} is not allowed: choose {' or '.join(ON_DRIFT)}")
         self.engine, self.log_text, self.baseline = engine, log_text, baseline
+        self.on_drift, self.revert, self.reverted = on_drift, revert, False
         self.window, self.alpha = window_seconds, alpha
         self.log = RequestLog(log_path) if log_path else None
         self.recent: collections.deque[LogEntry] = collections.deque(maxlen=max_recent)
         self._lock = threading.Lock()
-        self._cached: tuple[float, dict] | None = None
+        self._cached: tuple[float, tuple[float, float, list[str]]] | None = None
         self._identities: dict[str | None, dict | None] = {}
 
     def _draft(self, name: str | None) -> dict | None:
@@ -70,33 +78,55 @@ class DriftWatch:
             prompt=(prompt if isinstance(prompt, str) else repr(prompt)) if self.log_text else None,
             output=result.text if self.log_text else None,
         )
+        self.observe(entry)
+
+    def observe(self, entry: LogEntry) -> None:
+        """Log a finished request, keep it for the drift window, and revert speculation if that drifted (once)."""
         if self.log is not None:
             self.log.add(entry)
         if self.baseline is not None:
             with self._lock:
                 self.recent.append(entry)
+            if self.on_drift == "revert" and not self.reverted and self.revert is not None:
+                reasons = self._assess()[2]
+                if reasons:  # once: a person turns speculation back on (specwise policy set)
+                    self.reverted = True
+                    self.revert("drift: " + "; ".join(reasons))
+
+    def on_policy(self, change) -> None:
+        """Record a run-time policy change in the request log."""
+        if self.log is not None:
+            self.log.add_policy_change(change.to_dict())
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         """specwise_acceptance_rate and specwise_drift_alert over the recent window (recomputed at most every 5 s)."""
         if self.baseline is None:
             return {}
+        rate, alert, _ = self._assess()
+        return {
+            "specwise_acceptance_rate": ("Accepted over drafted tokens in the drift window.", rate),
+            "specwise_drift_alert": ("1 when traffic in the drift window no longer matches the evaluation.", alert),
+            "specwise_drift_reverted": ("1 once --on-drift revert has turned speculation off.", float(self.reverted)),
+        }
+
+    def _assess(self) -> tuple[float, float, list[str]]:
+        """(acceptance rate, alert 0/1, the rows that drifted or were invalidated) over the window; recomputed at
+        most every 5 s (the monitor's comparison, the same rule as `specwise monitor`)."""
         now = time.time()
         if self._cached and now - self._cached[0] < 5:
             return self._cached[1]
         with self._lock:
             entries = [e for e in self.recent if e.time >= now - self.window]
         rate = SpecCounts.pooled(e.spec for e in entries).acceptance_rate
-        rate = float("nan") if rate is None else rate
-        alert = 0.0
-        if entries:
+        reasons: list[str] = []
+        if entries and self.baseline is not None:
             try:
-                alert = float(any(r.verdict != "ok" for r in compare(self.baseline, entries, self.alpha)))
+                reasons = [
+                    f"{r.metric} {r.verdict}" for r in compare(self.baseline, entries, self.alpha) if r.verdict != "ok"
+                ]
             except Exception:  # a gauge must never break /metrics
                 log.exception("drift comparison failed")
-        out = {
-            "specwise_acceptance_rate": ("Accepted over drafted tokens in the drift window.", rate),
-            "specwise_drift_alert": ("1 when traffic in the drift window no longer matches the evaluation.", alert),
-        }
+        out = (float("nan") if rate is None else rate, float(bool(reasons)), reasons)
         self._cached = (now, out)
         return out
 

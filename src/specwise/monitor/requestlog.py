@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS log (
     decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT
 );
 CREATE INDEX IF NOT EXISTS log_time ON log (time);
+CREATE TABLE IF NOT EXISTS policy_changes (time REAL NOT NULL, old TEXT, new TEXT, by TEXT, reason TEXT);
 """
 
 
@@ -118,6 +119,18 @@ class RequestLog:
             self.db.execute(
                 f"INSERT INTO log ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
             )
+
+    def add_policy_change(self, change: dict) -> None:
+        """A run-time replacement of the load policy: time, old, new, by (admin / drift), reason."""
+        with self._lock, self.db:
+            self.db.execute(
+                "INSERT INTO policy_changes VALUES (?, ?, ?, ?, ?)",
+                (change["time"], change["old"], change["new"], change["by"], change.get("reason", "")),
+            )
+
+    def policy_changes(self) -> list[dict]:
+        rows = self.db.execute("SELECT time, old, new, by, reason FROM policy_changes ORDER BY time").fetchall()
+        return [dict(zip(("time", "old", "new", "by", "reason"), r, strict=True)) for r in rows]
 
     def entries(self, since: float | None = None, until: float | None = None) -> list[LogEntry]:
         q, args = "SELECT * FROM log WHERE time >= ? AND time <= ? ORDER BY time", (since or 0.0, until or 1e18)

@@ -27,6 +27,7 @@ from specwise.engine.engine import GenerationResult, Sequence, StreamEvent
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, Scheduler
 from specwise.errors import SpecwiseError
+from specwise.server.admin import PolicyBody, policy_from_body, policy_view
 from specwise.server.metrics import CONTENT_TYPE, Metrics
 from specwise.server.protocol import (
     ChatRequest,
@@ -49,14 +50,24 @@ class ServerState:
     model_name: str
     metrics: Metrics
     api_key: str | None = None
+    admin_key: str | None = None  # enables /admin (the policy switch); never the client API key
     info: dict = field(default_factory=dict)  # target identity, drafters, policy: shown by /v1/models
     on_finish: list[Callable[[Sequence, GenerationResult, dict], None]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, engine, name: str, policy=None, max_queue: int = 64, api_key: str | None = None) -> ServerState:
+    def build(
+        cls,
+        engine,
+        name: str,
+        policy=None,
+        max_queue: int = 64,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+    ) -> ServerState:
         """Metrics, a scheduler over `engine` feeding them, and the provenance /v1/models shows."""
         metrics = Metrics(name)
         scheduler = Scheduler(engine, policy, max_queue=max_queue, on_step=metrics.on_step)
+        scheduler.on_policy.append(metrics.on_policy)
         info = {
             "target": engine.target.identity.to_dict(),
             "drafters": list(engine.drafters),
@@ -67,14 +78,14 @@ class ServerState:
             "max_len": engine.max_len,
             "version": __version__,
         }
-        return cls(scheduler, name, metrics, api_key, info)
+        return cls(scheduler, name, metrics, api_key, admin_key, info)
 
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 (401)."""
 
-    def __init__(self, app, limit: int, api_key: str | None):
-        self.app, self.limit, self.api_key = app, limit, api_key
+    def __init__(self, app, limit: int, api_key: str | None, admin_key: str | None = None):
+        self.app, self.limit, self.api_key, self.admin_key = app, limit, api_key, admin_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -86,6 +97,29 @@ class BodyLimit:
                 why = "no API key given" if not auth else "the API key is wrong"
                 return await _send_error(
                     send, 401, f"{why}: send 'Authorization: Bearer <key>'", "invalid_request_error", "invalid_api_key"
+                )
+        if scope["path"].startswith("/admin"):
+            auth = headers.get("authorization", "")
+            if not self.admin_key:
+                return await _send_error(
+                    send,
+                    404,
+                    "the admin API is off: start the server with --admin-key",
+                    "invalid_request_error",
+                    "admin_disabled",
+                )
+            if auth != f"Bearer {self.admin_key}":
+                why = (
+                    "that is the client API key; the admin API takes the --admin-key"
+                    if self.api_key and auth == f"Bearer {self.api_key}"
+                    else ("no admin key given" if not auth else "the admin key is wrong")
+                )
+                return await _send_error(
+                    send,
+                    401,
+                    f"{why}: send 'Authorization: Bearer <admin key>'",
+                    "invalid_request_error",
+                    "invalid_admin_key",
                 )
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
@@ -193,7 +227,7 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
                     "object": "model",
                     "created": 0,
                     "owned_by": "specwise",
-                    "specwise": state.info,
+                    "specwise": {**state.info, "policy": state.scheduler.policy.describe()},
                 }
             ],
         }
@@ -215,7 +249,19 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         return await _generate(state, request, body, messages, body.limit(), chat=True)
 
-    app.add_middleware(BodyLimit, limit=max_body, api_key=state.api_key)
+    @app.get("/admin/policy")
+    async def get_policy() -> dict:
+        """The load policy now, and every change made at run time (admin key)."""
+        return policy_view(state.scheduler)
+
+    @app.put("/admin/policy")
+    async def put_policy(body: PolicyBody) -> dict:
+        """Replace the load policy from the next engine step (admin key); running requests are not dropped."""
+        policy = policy_from_body(body, list(state.scheduler.engine.drafters))
+        state.scheduler.set_policy(policy, "admin", body.reason or "")
+        return {**policy_view(state.scheduler), "policy": policy.describe(), "applies": "from the next step"}
+
+    app.add_middleware(BodyLimit, limit=max_body, api_key=state.api_key, admin_key=state.admin_key)
     return app
 
 

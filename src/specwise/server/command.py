@@ -7,6 +7,7 @@ refused flag must stay fast and torch-free.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from specwise.errors import SpecwiseError
@@ -28,6 +29,23 @@ def parse_threshold(text: str) -> tuple[int, int | None]:
     return int(high), int(low) if low else None
 
 
+def read_policy_from(args: argparse.Namespace):
+    """(Policy, why) from --policy-from: a policy file (.json, a per-load k table) or an evaluation run (run.db)."""
+    from specwise.engine.scheduler import Policy  # imports torch
+
+    if args.policy_from.endswith(".json"):  # specwise export-config --format specwise
+        drafter, table = read_policy_file(args.policy_from)
+        if args.drafter and args.drafter != drafter:
+            raise SpecwiseError(
+                f"--policy-from {args.policy_from} was measured with drafter {drafter!r}, "
+                f"not --drafter {args.drafter!r}"
+            )
+        args.drafter = args.drafter or drafter
+        return Policy("table", table=table), f"{args.policy_from}: per-load k of {drafter}"
+    mode, high, why = policy_from_run(args.policy_from)
+    return Policy(mode, high or 1), why
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
     from specwise.engine.scheduler import Policy  # imports torch
@@ -40,20 +58,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
     if args.api_key is not None and not args.api_key.strip():
         raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
+    if args.admin_key is not None and (not args.admin_key.strip() or args.admin_key == args.api_key):
+        raise SpecwiseError("--admin-key must be a non-empty key of its own (not the client --api-key)")
+    if args.on_drift == "revert" and not args.drift_baseline:
+        raise SpecwiseError("--on-drift revert needs --drift-baseline RUN.db (what the traffic is compared with)")
     why = None
-    if args.policy_from and args.policy_from.endswith(".json"):  # specwise export-config --format specwise
-        drafter, table = read_policy_file(args.policy_from)
-        if args.drafter and args.drafter != drafter:
-            raise SpecwiseError(
-                f"--policy-from {args.policy_from} was measured with drafter {drafter!r}, "
-                f"not --drafter {args.drafter!r}"
-            )
-        args.drafter = args.drafter or drafter
-        policy = Policy("table", table=table)
-        why = f"{args.policy_from}: per-load k of {drafter}"
-    elif args.policy_from:
-        mode, high, why = policy_from_run(args.policy_from)
-        policy = Policy(mode, high or 1)
+    if args.policy_from:
+        policy, why = read_policy_from(args)
     else:
         high, low = parse_threshold(args.policy_threshold)
         policy = Policy(args.policy, high, low)
@@ -86,13 +97,33 @@ def serve_from_args(args: argparse.Namespace) -> int:
     for spec in drafters:
         engine.add_drafter(spec)
     name = args.served_model_name or target.identity.name.removesuffix(".gguf")
-    state = ServerState.build(engine, name, policy, args.max_queue, args.api_key)
+    state = ServerState.build(engine, name, policy, args.max_queue, args.api_key, args.admin_key)
     scheduler = state.scheduler
     watch = None
     if args.log or baseline is not None:
-        watch = DriftWatch(engine, args.log, args.log_text, baseline, window or float("inf"))
+        watch = DriftWatch(
+            engine,
+            args.log,
+            args.log_text,
+            baseline,
+            window or float("inf"),
+            on_drift=args.on_drift,
+            revert=lambda reason: scheduler.set_policy(Policy("never"), "drift", reason),
+        )
         state.on_finish.append(watch.on_finish)
         state.metrics.extra_gauges = watch.gauges
+        scheduler.on_policy.append(watch.on_policy)
+    if args.policy_from:  # SIGHUP re-reads it (an admin change, recorded like one)
+
+        def reread(_signum, _frame) -> None:
+            try:
+                new, reason = read_policy_from(args)
+            except SpecwiseError as exc:
+                print(f"specwise serve: SIGHUP: policy kept, {exc}", file=sys.stderr, flush=True)
+                return
+            scheduler.set_policy(new, "admin", f"SIGHUP: {reason}")
+
+        signal.signal(signal.SIGHUP, reread)
     app = create_app(state, max_body=args.max_body)
     scheduler.start()
     print(

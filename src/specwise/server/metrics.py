@@ -24,7 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specwise.engine.scheduler import StepReport
+from specwise.engine.scheduler import PolicyChange, StepReport
 
 LATENCY_BUCKETS = (
     0.005,
@@ -126,6 +126,9 @@ class Metrics:
         for flag in ("true", "false"):
             self.steps.labels(model_name, flag)
         self._switches_seen = 0
+        self.policy_changes = counter("specwise_policy_changes", "Load policy replaced at run time, by whom.", ("by",))
+        for by in ("admin", "drift"):
+            self.policy_changes.labels(model_name, by)
         r.register(self._extra)  # last: the drift gauges follow the engine's in the exposition
 
     @property
@@ -154,6 +157,9 @@ class Metrics:
                 self.accepted_tokens.inc(accepted)
                 for i in range(drafted):  # every drafted position has a series, accepted or not
                     self.accepted_per_pos.labels(self.model_name, str(i)).inc(1 if i < accepted else 0)
+
+    def on_policy(self, change: PolicyChange) -> None:
+        self.policy_changes.labels(self.model_name, change.by).inc()
 
     def on_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)

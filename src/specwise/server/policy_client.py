@@ -1,0 +1,74 @@
+"""`specwise policy show|set`: the admin API of a running `specwise serve`, from the command line (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+
+from specwise.errors import SpecwiseError
+
+
+def policy_body(args: argparse.Namespace) -> dict:
+    """The PUT body `set` sends, from the flags; every mistake named before anything is sent."""
+    if args.from_file:
+        try:
+            body = json.loads(Path(args.from_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise SpecwiseError(f"--from {args.from_file}: not a readable JSON policy file ({exc})") from None
+        if not isinstance(body, dict):
+            raise SpecwiseError(f"--from {args.from_file}: not a specwise policy file")
+    elif args.mode is None:
+        raise SpecwiseError("policy set: give a mode (always, never, auto, table) or --from FILE")
+    else:
+        body = {"mode": args.mode}
+        if args.threshold:
+            if args.mode != "auto":
+                raise SpecwiseError("--threshold is auto's: HIGH[:LOW]")
+            high, _, low = args.threshold.partition(":")
+            if not high.isdigit() or (low and not low.isdigit()):
+                raise SpecwiseError(f"--threshold {args.threshold!r} is not allowed: write HIGH or HIGH:LOW")
+            body.update(high=int(high), **({"low": int(low)} if low else {}))
+        if args.table:
+            if args.mode != "table":
+                raise SpecwiseError("--table is for mode table")
+            try:
+                body["table"] = [[int(a), int(b)] for a, b in (row.split(":") for row in args.table.split(","))]
+            except ValueError:
+                raise SpecwiseError(f"--table {args.table!r} is not allowed: write LOAD:K,… e.g. 1:4,4:2,8:0") from None
+    if args.reason:
+        body["reason"] = args.reason
+    return body
+
+
+def policy_request(args: argparse.Namespace) -> str:
+    """Show or set the policy; the server's answer, for people."""
+    if not args.admin_key:
+        raise SpecwiseError("give the server's admin key: --admin-key KEY or $SPECWISE_ADMIN_KEY")
+    url = args.endpoint.rstrip("/").removesuffix("/v1") + "/admin/policy"
+    headers = {"Authorization": f"Bearer {args.admin_key}"}
+    body = policy_body(args) if args.action == "set" else None
+    try:
+        r = (
+            httpx.put(url, json=body, headers=headers, timeout=30)
+            if body
+            else httpx.get(url, headers=headers, timeout=30)
+        )
+    except httpx.HTTPError as exc:
+        raise SpecwiseError(f"cannot reach {url} ({exc})") from None
+    try:
+        data = r.json()
+    except ValueError:
+        raise SpecwiseError(f"{url} answered {r.status_code} without JSON") from None
+    if r.status_code != 200:
+        err = data.get("error", {}) if isinstance(data, dict) else {}
+        param = f" [{err.get('param')}]" if err.get("param") else ""
+        raise SpecwiseError(f"the server refused ({r.status_code}){param}: {err.get('message', data)}")
+    lines = [f"policy: {data['policy']}" + (" (applies from the next step)" if body else "")]
+    for c in data.get("changes", []):
+        lines.append(
+            f"  {c['time']:.0f} by {c['by']}: {c['old']} → {c['new']}" + (f" ({c['reason']})" if c["reason"] else "")
+        )
+    return "\n".join(lines)
