@@ -17,6 +17,9 @@ parser.add_argument("--batch-variant", action="store_true")
 parser.add_argument("--speculative", action="store_true")
 parser.add_argument("--lossy", action="store_true")
 parser.add_argument("--model", default="fake")
+parser.add_argument("--text", help="answer this text instead (chunks: its words)")
+parser.add_argument("--gap", type=float, default=0.0, help="seconds between chunks")
+parser.add_argument("--stall", help="I:S — wait S seconds before chunk I")
 args = parser.parse_args()
 
 lock = threading.Lock()
@@ -70,9 +73,9 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             active.discard(me)
             batched = me in state["overlapped"]
-        text = (
-            prompt[::-1][:40] + (" [batched]" if args.batch_variant and batched else "") + ("!" if args.lossy else "")
-        )
+        text = args.text or prompt[::-1][:40] + (" [batched]" if args.batch_variant and batched else "")
+        text += "!" if args.lossy else ""
+        stall_at, stall = (int(args.stall.split(":")[0]), float(args.stall.split(":")[1])) if args.stall else (-1, 0.0)
         words = text.split(" ")
         timings = {"prompt_n": len(prompt), "predicted_n": len(words)}
         if args.speculative:
@@ -86,9 +89,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         chat = "messages" in body
         for i, w in enumerate(words):
+            time.sleep(stall if i == stall_at else (args.gap if i else 0.0))
             piece = w if i == 0 else " " + w
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            self.wfile.flush()
         final = {
             "choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(words)},

@@ -169,3 +169,40 @@ def test_a_launched_server_that_never_becomes_healthy_is_stopped_with_its_log_ta
     )
     assert proc.returncode == 2 and time.monotonic() - start < 60
     assert "did not answer 200 within 3 s" in proc.stderr and "loading weights" in proc.stderr
+
+
+def test_streaming_as_a_reader_sees_it_from_a_known_schedule(tmp_path):
+    """Chunks every 50 ms, the first line complete at the third chunk; the speculative server stalls 0.6 s before
+    its fifth chunk. The figures come out as scheduled, and the verdict tells of the burstier stream."""
+    port = free_port()
+    text = "'alpha beta gamma\ndelta epsilon zeta eta theta iota kappa'"  # a real newline, quoted for shlex
+    server = f"{sys.executable} {FAKE} --port {port} --gap 0.05 --text {text}"
+    out = tmp_path / "stream"
+    proc = cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload(tmp_path, 6),
+        "--launch",
+        f"base={server}",
+        "--launch",
+        f"spec={server} --stall 4:0.6",
+        "--concurrency",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+        timeout=300,
+    )
+    run = load_run(out / "run.db")
+    rows = {r.config: r.stream for r in run.analysis.table}
+    base, spec = rows["base"], rows["spec"]
+    assert 0.04 <= base.longest_stall.p50 <= 0.25 and 0.55 <= spec.longest_stall.p50 <= 1.0
+    assert spec.gap_p99 >= 0.5 > base.gap_p99
+    # first line: the first chunk (after the server's 0.15 s) and two 50 ms gaps; the stall comes later
+    assert 0.2 <= base.first_line.p50 <= 0.6 and abs(spec.first_line.p50 - base.first_line.p50) < 0.2
+    assert spec.chars_per_s.p50 < base.chars_per_s.p50  # the same text, delivered over a longer span
+    verdict = run.analysis.verdicts["spec"]["concurrent"]
+    assert any("streams are burstier" in cl.text and cl.neutral for cl in verdict.clauses)
+    assert "streaming as a reader sees it" in proc.stdout and "[--]" in proc.stdout

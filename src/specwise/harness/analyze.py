@@ -6,6 +6,8 @@ Groups are reported apart and never averaged together; a task counts in each of 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +23,7 @@ from specwise.harness.results import (
     Row,
     Run,
     StoredPlan,
+    StreamStats,
     read_run,
 )
 from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
@@ -33,6 +36,32 @@ def _tpot(r: Record) -> float | None:
     if r.e2e is None or r.ttft is None or r.output_tokens < 2:
         return None
     return (r.e2e - r.ttft) / (r.output_tokens - 1)
+
+
+def _stream(r: Record) -> tuple[float, float | None, float | None, list[float]] | None:
+    """(first line complete, chars/s, longest stall, gaps) of one request's rendered chunks; None without chunks."""
+    if not r.chunks:
+        return None
+    times = [t for t, _ in r.chunks]
+    ends = list(itertools.accumulate(int(n) for _, n in r.chunks))
+    newline = r.output.find("\n")
+    first_line = times[-1] if newline < 0 else times[min(bisect.bisect_right(ends, newline), len(times) - 1)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    span = times[-1] - times[0]
+    return first_line, ends[-1] / span if span > 0 else None, max(gaps) if gaps else None, gaps
+
+
+def stream_stats(records: list[Record]) -> StreamStats | None:
+    per = [s for r in records if r.error is None and (s := _stream(r)) is not None]
+    if not per:
+        return None
+    gaps = [g for s in per for g in s[3]]
+    return StreamStats(
+        summarize([s[0] for s in per]),
+        summarize([s[1] for s in per]),
+        summarize([s[2] for s in per]),
+        summarize(gaps).p99,
+    )
 
 
 def row_stats(config: str, load: str, group: str, records: list[Record], phase_seconds: float | None) -> Row:
@@ -66,6 +95,7 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
         # drafting time as a share of the decode phase (the client's clock), as the report's draft% column says
         drafting_share=pooled.drafting_time / decode if decode and pooled.drafting_time > 0 else None,  # unreported
         per_request_acceptance=[r for c in spec if (r := c.acceptance_rate) is not None],
+        stream=stream_stats(records),
     )
 
 
@@ -124,6 +154,7 @@ def analyze(run: Run) -> Analysis:
                         mismatches=len(comp.mismatches),
                         baseline_changed=comp.baseline_changed,
                         length_p=comp.output_length_ks["p"] if comp.output_length_ks else None,
+                        stall_ratio=(sr.value, sr.lo, sr.hi) if (sr := comp.stall_ratio) else None,
                     )
                 )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
@@ -249,6 +280,12 @@ def _compare(
     lengths = (
         None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
     )
+    stalls = [(b, x) for b, x in ((_stream(b), _stream(x)) for b, x in pairs) if b and x and b[2] and x[2]]
+    stall_ratio = (
+        speedup_ci([float(x[2] or 0) for _, x in stalls], [float(b[2] or 0) for b, _ in stalls])
+        if len(stalls) >= 2
+        else None
+    )
     bstats = row_stats("", load, group, list(base.values()), None)
     sstats = row_stats(config, load, group, list(spec.values()), None)
     return Comparison(
@@ -270,6 +307,7 @@ def _compare(
         vs_ref,
         ref,
         changed,
+        stall_ratio,
     )
 
 

@@ -252,7 +252,9 @@ class EngineBackend:
         from specwise.engine import SamplingParams
 
         engine = self.engines[config]
-        live: dict[str, tuple[Request, float, list[float]]] = {}  # request id → (request, submitted, chunk times)
+        live: dict[
+            str, tuple[Request, float, list[tuple[float, int]]]
+        ] = {}  # request id → (request, submitted, chunk times)
         refused: list[Record] = []
 
         def submit(req: Request) -> None:
@@ -277,7 +279,7 @@ class EngineBackend:
                 req, t_submit, chunks = live[event.request_id]
                 t = time.perf_counter()
                 if event.token_ids:
-                    chunks.append(t)
+                    chunks.append((t, len(event.text)))
                 if event.result is not None:
                     del live[event.request_id]
                     done.append(_record(config, load, req, t_submit, t, chunks, event.result))
@@ -289,10 +291,9 @@ class EngineBackend:
         """Nothing to release: the engines go with the backend."""
 
 
-def _record(
-    config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list[float], result
-) -> Record:
+def _record(config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list, result) -> Record:
     s = result.stats
+    times = [t for t, _ in chunks]
     return Record(
         config,
         load.name,
@@ -306,8 +307,9 @@ def _record(
         prompt_tokens=s.prompt_tokens,
         output_tokens=s.generated_tokens,
         finish_reason=result.finish_reason,
-        ttft=chunks[0] - submitted if chunks else None,
-        itl=[b - a for a, b in itertools.pairwise(chunks)],
+        ttft=times[0] - submitted if times else None,
+        itl=[b - a for a, b in itertools.pairwise(times)],
+        chunks=[[t - submitted, n] for t, n in chunks if n],  # what a reader sees arrive: time, characters
         e2e=finished - submitted,
         prefill=s.prefill_time,
         decode=s.decode_time,

@@ -109,7 +109,9 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
     return configs
 
 
-LAUNCH_NAME = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")  # lowercase: `FOO=1 cmd` stays an environment assignment
+LAUNCH_NAME = re.compile(
+    r"^([a-z][a-z0-9_.-]*)=(.*)$", re.DOTALL
+)  # lowercase: `FOO=1 cmd` stays an environment assignment
 
 
 def launch_configs(launches: list[str]) -> list[Config]:

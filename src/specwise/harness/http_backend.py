@@ -276,6 +276,7 @@ class HTTPBackend:
         rec.e2e = rec.finished - t0
         rec.decode = chunks[-1] - chunks[0] if chunks else None
         rec.prefill = out["prefill"]
+        rec.chunks = [[t - t0, n] for t, n in out["rendered"]]
         if out["spec"] is not None:
             rec.spec = out["spec"].to_dict()
         return rec
@@ -296,6 +297,7 @@ class HTTPBackend:
         url = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
         text: list[str] = []
         chunks: list[float] = []
+        rendered: list[tuple[float, int]] = []  # arrival time and characters of each piece of text
         finish, usage, spec, prefill = None, None, None, None
         try:
             with self.client.stream("POST", url, json=body) as r:
@@ -323,6 +325,7 @@ class HTTPBackend:
                         if piece:
                             text.append(piece)
                             chunks.append(time.perf_counter())
+                            rendered.append((chunks[-1], len(piece)))
                         finish = choice.get("finish_reason") or finish
         except httpx.HTTPError as exc:
             raise SpecwiseError(f"request to {url} failed: {type(exc).__name__}: {exc}") from None
@@ -333,6 +336,7 @@ class HTTPBackend:
             "usage": usage,
             "spec": spec,
             "prefill": prefill,
+            "rendered": rendered,
             "finished": time.perf_counter(),
         }
 

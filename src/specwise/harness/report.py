@@ -102,6 +102,22 @@ def console_summary(run: Run) -> str:
             f"{_fmt(row.drafting_share and 100 * row.drafting_share, '.1f'):>6} "
             f"{_fmt(row.goodput, '.3f'):>9}"
         )
+    streamed = [row for row in a.table if row.stream is not None]
+    if streamed:
+        lines.append("")
+        lines.append("streaming as a reader sees it (seconds; chars/s rendered between first and last chunk)")
+        lines.append(
+            f"{'config':>22} {'load':>14} {'group':>12} {'TTFT p50':>8} {'line p50':>8} {'chars/s':>8} "
+            f"{'stall p50':>9} {'p99':>6} {'gap p99':>7}"
+        )
+        for row in streamed:
+            st = row.stream
+            assert st is not None
+            lines.append(
+                f"{row.config:>22} {row.load:>14} {row.group:>12} {_fmt(row.ttft.p50):>8} "
+                f"{_fmt(st.first_line.p50):>8} {_fmt(st.chars_per_s.p50, '.0f'):>8} {_fmt(st.longest_stall.p50):>9} "
+                f"{_fmt(st.longest_stall.p99):>6} {_fmt(st.gap_p99):>7}"
+            )
     if run.server_counters:
         lines.append("")
         lines.append("server-side spec-decode counters (scraped from /metrics around each phase)")

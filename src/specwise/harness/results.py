@@ -57,6 +57,16 @@ class StoredPlan:
 
 
 @dataclass
+class StreamStats:
+    """What a reader of a streamed answer sees, from each text chunk's arrival time and size."""
+
+    first_line: Summary  # seconds from submission until the first line is complete (the whole text if no newline)
+    chars_per_s: Summary  # characters rendered per second between the first and last chunk
+    longest_stall: Summary  # each request's largest gap between chunks
+    gap_p99: float | None  # p99 of every gap between chunks, pooled
+
+
+@dataclass
 class Row:
     """Statistics of one configuration × load × workload group."""
 
@@ -81,6 +91,7 @@ class Row:
     acceptance_by_position: list[float]
     drafting_share: float | None  # drafting time over the decode phase (the client's clock)
     per_request_acceptance: list[float]
+    stream: StreamStats | None = None
 
 
 @dataclass
@@ -105,6 +116,7 @@ class Comparison:
     mismatches_vs_reference: list[str] = field(default_factory=list)  # differs from the baseline at the reference
     reference_load: str | None = None  # the lowest load measured: the baseline least disturbed by batching
     baseline_changed: int = 0  # outputs the baseline itself changed here (against the reference, or across repeats)
+    stall_ratio: Interval | None = None  # speculative / baseline longest stall per request, paired, with its CI
 
 
 @dataclass

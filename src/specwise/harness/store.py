@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS requests (
     groups TEXT NOT NULL, seed INTEGER, started REAL, finished REAL,
     output TEXT, prompt_tokens INTEGER, output_tokens INTEGER, finish_reason TEXT,
     ttft REAL, itl TEXT, e2e REAL, prefill REAL, decode REAL, spec TEXT,
-    error TEXT, validation TEXT, passed INTEGER,
+    error TEXT, validation TEXT, passed INTEGER, chunks TEXT,
     PRIMARY KEY (config, load, task_id, repeat)
 );
 """
@@ -54,13 +54,14 @@ class Record:
     error: str | None = None
     validation: list[dict] = field(default_factory=list)
     passed: bool | None = None
+    chunks: list[list[float]] = field(default_factory=list)  # [seconds since submission, characters] per chunk
 
     @property
     def key(self) -> tuple[str, str, str, int]:
         return (self.config, self.load, self.task_id, self.repeat)
 
 
-_JSON = ("groups", "itl", "spec", "validation")
+_JSON = ("groups", "itl", "spec", "validation", "chunks")
 
 
 class Store:
@@ -76,6 +77,9 @@ class Store:
                 self.db = sqlite3.connect(str(self.path))
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.executescript(SCHEMA)
+                columns = {r[1] for r in self.db.execute("PRAGMA table_info(requests)")}
+                if "chunks" not in columns:  # a file from before chunk sizes were recorded: add the column
+                    self.db.execute("ALTER TABLE requests ADD COLUMN chunks TEXT")
             else:  # reading: touch nothing, and say so if this is not a results file
                 self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
                 tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -131,7 +135,7 @@ class Store:
         for row in cur.fetchall():
             d = dict(zip(names, row, strict=False))
             for k in _JSON:
-                d[k] = json.loads(d[k]) if d[k] is not None else ([] if k != "spec" else {})
+                d[k] = json.loads(d[k]) if d.get(k) is not None else ([] if k != "spec" else {})
             d["passed"] = None if d["passed"] is None else bool(d["passed"])
             out.append(Record(**d))
         return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 ADOPT, CONDITIONAL, REJECT = "adopt", "conditional", "reject"
+BURSTY = 1.5  # a longest stall this many times the baseline's (CI lower bound) is reported as burstier streaming
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Cell:
     mismatches: int = 0  # greedy outputs that differ from every baseline output of their task here
     baseline_changed: int = 0  # greedy outputs the baseline itself changed here (batching, repeats)
     length_p: float | None = None  # sampled runs: KS p-value that output lengths share one distribution
+    stall_ratio: tuple[float, float, float] | None = None  # speculative / baseline longest stall: (value, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,17 @@ def decide(
             safe = False
     if safe:
         clauses.append(Clause(True, "validation, errors and greedy outputs: no loss in any group at any load"))
+    for c in sorted(cells, key=lambda c: (c.group, c.load)):
+        if c.stall_ratio is not None and c.stall_ratio[1] > BURSTY:
+            value, lo, hi = c.stall_ratio  # told, not judged: whether it matters is the user's call
+            clauses.append(
+                Clause(
+                    False,
+                    f"{c.group} @ {load_name} {c.load:g}: streams are burstier — the longest stall between chunks is "
+                    f"{value:.2f}x the baseline's [95% CI {lo:.2f}–{hi:.2f}], whatever E2E does",
+                    neutral=True,
+                )
+            )
     loads = sorted({c.load for c in cells})
     groups = sorted({c.group for c in cells})
     wins = {(c.group, c.load): c.lo > 1.0 and c.n >= min_n for c in cells}
