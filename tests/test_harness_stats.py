@@ -206,3 +206,16 @@ def test_no_clear_difference_is_neutral_not_a_failure():
     assert by["copy @ load 1"].neutral and not by["copy @ load 1"].ok  # the interval holds 1
     assert not by["copy @ load 4"].neutral and not by["copy @ load 4"].ok  # loses
     assert by["free @ load 1"].ok and not by["free @ load 1"].neutral
+
+
+def test_burstier_streams_are_told_only_when_the_stall_is_long_enough_to_see():
+    import dataclasses
+
+    base = cell("copy", 1, 1.2, 1.5)
+    hiccup = dataclasses.replace(base, stall_ratio=(2.0, 1.8, 2.2), stall_spec=0.012)  # 12 ms: nobody sees it
+    pause = dataclasses.replace(base, stall_ratio=(2.0, 1.8, 2.2), stall_spec=0.2)
+    unsure = dataclasses.replace(base, stall_ratio=(2.0, 0.9, 3.1), stall_spec=0.2)  # CI holds "no change"
+    told = [c for c in decide([pause]).clauses if "burstier" in c.text]
+    assert len(told) == 1 and told[0].neutral and "0.20 s at the median" in told[0].text
+    assert not [c for v in (decide([hiccup]), decide([unsure])) for c in v.clauses if "burstier" in c.text]
+    assert decide([pause]).decision == decide([base]).decision  # told, not judged

@@ -155,6 +155,7 @@ def analyze(run: Run) -> Analysis:
                         baseline_changed=comp.baseline_changed,
                         length_p=comp.output_length_ks["p"] if comp.output_length_ks else None,
                         stall_ratio=(sr.value, sr.lo, sr.hi) if (sr := comp.stall_ratio) else None,
+                        stall_spec=comp.stall_spec,
                     )
                 )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
@@ -308,6 +309,7 @@ def _compare(
         ref,
         changed,
         stall_ratio,
+        sstats.stream.longest_stall.p50 if sstats.stream else None,
     )
 
 

@@ -117,6 +117,7 @@ class Comparison:
     reference_load: str | None = None  # the lowest load measured: the baseline least disturbed by batching
     baseline_changed: int = 0  # outputs the baseline itself changed here (against the reference, or across repeats)
     stall_ratio: Interval | None = None  # speculative / baseline longest stall per request, paired, with its CI
+    stall_spec: float | None = None  # median longest stall of the speculative streams, seconds
 
 
 @dataclass

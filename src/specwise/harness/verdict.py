@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 ADOPT, CONDITIONAL, REJECT = "adopt", "conditional", "reject"
-BURSTY = 1.5  # a longest stall this many times the baseline's (CI lower bound) is reported as burstier streaming
+BURSTY = 1.5  # a longest stall this many times the baseline's (CI lower bound) is reported as burstier streaming…
+NOTICEABLE_STALL = 0.05  # … when it is long enough to see: 50 ms, three frames at 60 Hz (a 10 ms hiccup is not)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Cell:
     baseline_changed: int = 0  # greedy outputs the baseline itself changed here (batching, repeats)
     length_p: float | None = None  # sampled runs: KS p-value that output lengths share one distribution
     stall_ratio: tuple[float, float, float] | None = None  # speculative / baseline longest stall: (value, lo, hi)
+    stall_spec: float | None = None  # the speculative streams' median longest stall, seconds
 
 
 @dataclass(frozen=True)
@@ -132,13 +134,15 @@ def decide(
     if safe:
         clauses.append(Clause(True, "validation, errors and greedy outputs: no loss in any group at any load"))
     for c in sorted(cells, key=lambda c: (c.group, c.load)):
-        if c.stall_ratio is not None and c.stall_ratio[1] > BURSTY:
+        noticeable = c.stall_spec is not None and c.stall_spec >= NOTICEABLE_STALL
+        if c.stall_ratio is not None and c.stall_ratio[1] > BURSTY and noticeable:
             value, lo, hi = c.stall_ratio  # told, not judged: whether it matters is the user's call
             clauses.append(
                 Clause(
                     False,
                     f"{c.group} @ {load_name} {c.load:g}: streams are burstier — the longest stall between chunks is "
-                    f"{value:.2f}x the baseline's [95% CI {lo:.2f}–{hi:.2f}], whatever E2E does",
+                    f"{value:.2f}x the baseline's [95% CI {lo:.2f}–{hi:.2f}], {c.stall_spec:.2f} s at the median, "
+                    "whatever E2E does",
                     neutral=True,
                 )
             )

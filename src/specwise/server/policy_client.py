@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -68,7 +69,6 @@ def policy_request(args: argparse.Namespace) -> str:
         raise SpecwiseError(f"the server refused ({r.status_code}){param}: {err.get('message', data)}")
     lines = [f"policy: {data['policy']}" + (" (applies from the next step)" if body else "")]
     for c in data.get("changes", []):
-        lines.append(
-            f"  {c['time']:.0f} by {c['by']}: {c['old']} → {c['new']}" + (f" ({c['reason']})" if c["reason"] else "")
-        )
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
+        lines.append(f"  {when} by {c['by']}: {c['old']} → {c['new']}" + (f" ({c['reason']})" if c["reason"] else ""))
     return "\n".join(lines)
