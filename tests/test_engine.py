@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def drafters(tiny_draft_dir):
-    return ["ngram", f"model:{tiny_draft_dir}", "int8", "layerskip:1"]
+    return ["ngram", f"model:{tiny_draft_dir}", "int8", "layerskip:1", "suffix"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def precise(request, tiny_dir):
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("which", range(4))
+@pytest.mark.parametrize("which", range(5))
 def test_greedy_speculative_equals_baseline(precise, tiny_draft_dir, which, k):
     name, target, alone = precise
     spec = drafters(tiny_draft_dir)[which]
@@ -268,7 +268,7 @@ def sample_first_tokens(engine, prompt, N, n=3):
 N_SAMPLES = 3000
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "int8", "layerskip:1"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "int8", "layerskip:1", "suffix"])
 def test_sampling_preserves_the_target_distribution(small_dirs, drafter):
     """The first three tokens (t1 from the prefill, t2..t3 from one verification with k=2) follow the target."""
     target = load_target(small_dirs[0])

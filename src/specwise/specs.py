@@ -2,7 +2,7 @@
 kept in one torch-free place so each rule is stated once.
 
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
-- drafter specs: ``ngram`` / ``ngram:N``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
+- drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES) and ``--quantize`` (QUANTIZE)
 """
 
@@ -13,9 +13,11 @@ from specwise.errors import SpecwiseError
 K_MAX = 16  # the largest draft length any configuration may ask for
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
-DRAFTER_KINDS = ("ngram", "model", "int8", "layerskip")
+DRAFTER_KINDS = ("ngram", "suffix", "model", "int8", "layerskip")
 EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
-DRAFTER_HELP = "ngram, ngram:N, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
+DRAFTER_HELP = (
+    "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
+)
 
 
 def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
@@ -40,7 +42,8 @@ def check_drafter_spec(spec: object) -> str:
     """A drafter spec's grammar (what it names is checked where the drafter is built: the file, the layers)."""
     kind, sep, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     ok = (
-        (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
+        (kind == "suffix" and (not sep or (arg.isdigit() and int(arg) >= 1)))
+        or (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
         or (kind == "model" and bool(arg.strip()))
         or (kind == "int8" and not sep)
         or (kind == "layerskip" and bool(arg.strip()))
@@ -48,6 +51,7 @@ def check_drafter_spec(spec: object) -> str:
     if not ok:
         hint = {
             "ngram": "ngram:N takes a whole number N ≥ 1",
+            "suffix": "suffix:TOKENS takes the history's size in tokens, a whole number ≥ 1",
             "model": "model:PATH needs a path",
             "int8": "int8 takes no argument",
             "layerskip": "layerskip:SPEC needs a layer spec",

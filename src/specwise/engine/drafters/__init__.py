@@ -1,6 +1,7 @@
 """Drafters and the spec strings that name them.
 
 - ``ngram`` / ``ngram:N``   prompt lookup over prompt + output, n-grams up to N tokens (default 3); no model
+- ``suffix`` / ``suffix:T`` suffix drafting over the request and the last T tokens of earlier outputs; no model
 - ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer
 - ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
@@ -12,6 +13,7 @@ from __future__ import annotations
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
+from specwise.engine.drafters.suffix import SuffixDrafter
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP, check_drafter_spec
@@ -58,6 +60,8 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
     kind, _, arg = check_drafter_spec(spec).partition(":")
     if kind == "ngram":
         return NgramDrafter(max_ngram=int(arg) if arg else 3)
+    if kind == "suffix":
+        return SuffixDrafter(max_tokens=int(arg) if arg else 50_000)
     if kind == "layerskip":
         if not hasattr(target.model, "layer_subset"):
             raise SpecwiseError("layerskip drafting needs a Llama-family target (our decoder)")
