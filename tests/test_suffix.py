@@ -4,6 +4,7 @@ checked with every other drafter in test_engine.py.)"""
 
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,6 +19,7 @@ class View:
     slot: int
     token_ids: list[int]
     prompt_len: int
+    history: bool = True
     params: object = None
     generator: object = None
     extra: list = field(default_factory=list)
@@ -90,10 +92,56 @@ def test_concurrent_writers_do_not_corrupt_the_history():
     [
         ("suffix:abc", "suffix:TOKENS takes"),
         ("suffix:-5", "suffix:TOKENS takes"),
-        ("suffix:0", "suffix:TOKENS takes"),
     ],
 )
 def test_bad_suffix_specs_are_refused(spec, needle):
     with pytest.raises(SpecwiseError, match=needle):
         check_drafter_spec(spec)
-    assert check_drafter_spec("suffix") == "suffix" and check_drafter_spec("suffix:5000") == "suffix:5000"
+    assert check_drafter_spec("suffix") == "suffix" and check_drafter_spec("suffix:0") == "suffix:0"
+
+
+def test_a_request_that_opts_out_neither_reads_nor_writes_the_history():
+    d = SuffixDrafter()
+    private = View(0, [1, 2, 3, 40, 41, 42, 43, 44], prompt_len=3, history=False)
+    d.propose([private], [4])
+    d.release(0)
+    assert d.history.tokens == 0  # its output was not kept
+    assert d.propose([View(1, [9, 40, 41], prompt_len=1)], [3])[0].tokens == []  # so nobody drafts from it
+    shared = View(2, [1, 2, 3, 50, 51, 52, 53], prompt_len=3)
+    d.propose([shared], [2])
+    d.release(2)
+    assert d.propose([View(3, [9, 50, 51], prompt_len=1)], [2])[0].tokens == [52, 53]
+    assert d.propose([View(4, [9, 50, 51], prompt_len=1, history=False)], [2])[0].tokens == []  # nor reads it
+
+
+def test_a_server_can_turn_the_shared_history_off():
+    d = SuffixDrafter(max_tokens=0)
+    d.propose([View(0, [1, 2, 3, 40, 41, 42, 43], prompt_len=3)], [2])
+    d.release(0)
+    assert d.history.tokens == 0 and d.name == "suffix:0"
+    assert d.propose([View(1, [9, 40, 41], prompt_len=1)], [2])[0].tokens == []
+
+
+def test_the_server_honours_the_opt_out_and_shows_the_history_size(tiny):
+    import httpx
+    from test_server import Live
+
+    from specwise.engine import Engine
+
+    live = Live(Engine(tiny, drafter="suffix", k=3, max_batch=4))
+    try:
+
+        def ask(spec: dict | None) -> httpx.Response:
+            body = {"model": "tiny", "prompt": "abc abc abc abd", "max_tokens": 16, "temperature": 0}
+            return httpx.post(live.url + "/v1/completions", json=body | ({"speculative": spec} if spec else {}))
+
+        assert ask({"history": False}).status_code == 200
+        time.sleep(0.2)
+        assert live.gauge("specwise_suffix_history_tokens") == 0  # an opted-out request leaves nothing behind
+        assert ask(None).status_code == 200
+        time.sleep(0.2)
+        assert live.gauge("specwise_suffix_history_tokens") > 0 and live.gauge("specwise_suffix_history_bytes") > 0
+        bad = ask({"history": "sometimes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative.history"
+    finally:
+        live.close()

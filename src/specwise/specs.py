@@ -42,7 +42,7 @@ def check_drafter_spec(spec: object) -> str:
     """A drafter spec's grammar (what it names is checked where the drafter is built: the file, the layers)."""
     kind, sep, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     ok = (
-        (kind == "suffix" and (not sep or (arg.isdigit() and int(arg) >= 1)))
+        (kind == "suffix" and (not sep or arg.isdigit()))
         or (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
         or (kind == "model" and bool(arg.strip()))
         or (kind == "int8" and not sep)
@@ -51,7 +51,7 @@ def check_drafter_spec(spec: object) -> str:
     if not ok:
         hint = {
             "ngram": "ngram:N takes a whole number N ≥ 1",
-            "suffix": "suffix:TOKENS takes the history's size in tokens, a whole number ≥ 1",
+            "suffix": "suffix:TOKENS takes the shared history's size in tokens, a whole number (0: no history)",
             "model": "model:PATH needs a path",
             "int8": "int8 takes no argument",
             "layerskip": "layerskip:SPEC needs a layer spec",

@@ -84,6 +84,7 @@ class Sequence:
     controller: FixedK | AdaptiveK | None
     submitted: float
     drafter: str | None = None  # which of the engine's drafters proposes for this request
+    history: bool = True  # may draft from, and add to, drafters' cross-request history (suffix)
     slot: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
     first_token_at: float = 0.0
@@ -186,6 +187,7 @@ class Engine:
         drafter: str | None = None,
         k: int | str | None = None,
         fill_context: bool = False,
+        history: bool = True,
     ) -> Sequence:
         """Check and encode a request without queueing it (safe from another thread than the loop's).
 
@@ -234,6 +236,7 @@ class Engine:
             controller,
             self._now(),
             drafter=name if use_spec else None,
+            history=history,
         )
         seq.stats.prompt_tokens = len(ids)
         return seq
@@ -252,9 +255,10 @@ class Engine:
         speculative: bool = True,
         drafter: str | None = None,
         k: int | str | None = None,
+        history: bool = True,
     ) -> str:
         """Check, encode and queue a request (see `prepare`)."""
-        return self.enqueue(self.prepare(prompt, params, request_id, speculative, drafter, k))
+        return self.enqueue(self.prepare(prompt, params, request_id, speculative, drafter, k, history=history))
 
     @property
     def has_work(self) -> bool:

@@ -155,10 +155,11 @@ class Scheduler:
         k: int | str | None = None,
         request_id: str | None = None,
         fill_context: bool = False,
+        history: bool = True,
     ) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input and QueueFull when the waiting queue holds `max_queue` requests."""
-        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k, fill_context)
+        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k, fill_context, history)
         with self._lock:
             if self.waiting >= self.max_queue:
                 per_slot = self.recent_e2e / max(self.engine.max_batch, 1)

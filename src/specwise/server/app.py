@@ -68,6 +68,20 @@ class ServerState:
         metrics = Metrics(name)
         scheduler = Scheduler(engine, policy, max_queue=max_queue, on_step=metrics.on_step)
         scheduler.on_policy.append(metrics.on_policy)
+        histories = [d.history for d in engine.drafters.values() if hasattr(d, "history")]  # suffix drafters
+        if histories:
+            metrics.add_gauges(
+                lambda: {
+                    "specwise_suffix_history_tokens": (
+                        "Tokens of earlier outputs kept for suffix drafting.",
+                        float(sum(h.tokens for h in histories)),
+                    ),
+                    "specwise_suffix_history_bytes": (
+                        "Approximate memory of the suffix drafting history.",
+                        float(sum(h.nbytes() for h in histories)),
+                    ),
+                }
+            )
         info = {
             "target": engine.target.identity.to_dict(),
             "drafters": list(engine.drafters),
@@ -296,6 +310,7 @@ def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | 
             drafter=spec.drafter if spec else None,
             k=spec.k if spec else None,
             fill_context=max_tokens is None,
+            history=spec.history if spec and spec.history is not None else True,
         )  # as OpenAI: up to the rest of the context
     except QueueFull as exc:
         raise ProtocolError(

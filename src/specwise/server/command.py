@@ -111,7 +111,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             revert=lambda reason: scheduler.set_policy(Policy("never"), "drift", reason),
         )
         state.on_finish.append(watch.on_finish)
-        state.metrics.extra_gauges = watch.gauges
+        state.metrics.add_gauges(watch.gauges)
         scheduler.on_policy.append(watch.on_policy)
     if args.policy_from:  # SIGHUP re-reads it (an admin change, recorded like one)
 

@@ -54,27 +54,31 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 prometheus_client.disable_created_metrics()  # no `_created` series beside every counter, as vLLM
 
 
-class _ExtraGauges(Collector):
-    """Gauges computed when scraped (the drift monitor's), each with the model label."""
+Gauges = Callable[[], dict[str, tuple[str, float]]]
 
-    def __init__(self, model_name: str, source: Callable[[], dict[str, tuple[str, float]]] | None):
-        self.model_name, self.source = model_name, source
+
+class _ExtraGauges(Collector):
+    """Gauges computed when scraped (the drift monitor's, the suffix history's), each with the model label."""
+
+    def __init__(self, model_name: str, sources: list[Gauges]):
+        self.model_name, self.sources = model_name, sources
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        for name, (help_, value) in (self.source() if self.source else {}).items():
-            g = GaugeMetricFamily(name, help_, labels=["model_name"])
-            g.add_metric([self.model_name], value)
-            yield g
+        for source in self.sources:
+            for name, (help_, value) in source().items():
+                g = GaugeMetricFamily(name, help_, labels=["model_name"])
+                g.add_metric([self.model_name], value)
+                yield g
 
 
 class Metrics:
     """Counters, gauges and histograms fed by the scheduler's step reports and the server's finished requests."""
 
-    def __init__(self, model_name: str, extra_gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+    def __init__(self, model_name: str, extra_gauges: Gauges | None = None):
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.model_name = model_name
-        self._extra = _ExtraGauges(model_name, extra_gauges)
+        self._extra = _ExtraGauges(model_name, [extra_gauges] if extra_gauges else [])
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -131,13 +135,9 @@ class Metrics:
             self.policy_changes.labels(model_name, by)
         r.register(self._extra)  # last: the drift gauges follow the engine's in the exposition
 
-    @property
-    def extra_gauges(self) -> Callable[[], dict[str, tuple[str, float]]] | None:
-        return self._extra.source
-
-    @extra_gauges.setter
-    def extra_gauges(self, source: Callable[[], dict[str, tuple[str, float]]] | None) -> None:
-        self._extra.source = source
+    def add_gauges(self, source: Gauges) -> None:
+        """Gauges computed at each scrape: `source()` → {name: (help, value)}."""
+        self._extra.sources.append(source)
 
     def on_step(self, report: StepReport) -> None:
         self.running.set(report.running)

@@ -54,6 +54,7 @@ class SpeculativeOptions(Strict):
     enabled: bool = True
     drafter: str | None = None
     k: Annotated[int, Field(ge=1, le=K_MAX)] | Literal["auto"] | None = None
+    history: bool | None = None  # false: neither draft from nor add to the server's cross-request history (suffix)
 
 
 class StreamOptions(Strict):

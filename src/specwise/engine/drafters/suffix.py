@@ -56,7 +56,7 @@ class SuffixIndex:
 
     def add(self, seq: list[int]) -> None:
         """Keep a whole sequence (an earlier request's output), evicting the oldest beyond `max_tokens`."""
-        if len(seq) < 2:
+        if len(seq) < 2 or self.max_tokens == 0:
             return
         if self.max_tokens is not None:
             seq = seq[-self.max_tokens :]
@@ -99,11 +99,13 @@ class SuffixDrafter:
     """Suffix drafting over the request itself and the history of earlier requests (see the module docstring)."""
 
     def __init__(self, max_tokens: int = 50_000, depth: int = DEPTH):
+        """`max_tokens` bounds the shared history; 0 turns it off (each request drafts from itself only)."""
         self.name = "suffix" if max_tokens == 50_000 else f"suffix:{max_tokens}"
         self.depth = depth
         self.history = SuffixIndex(depth, max_tokens)
-        # slot → (its index, tokens counted, prompt length, the sequence's own token list: complete at release)
-        self.local: dict[int, tuple[SuffixIndex, int, int, list[int]]] = {}
+        # slot → (its index, tokens counted, prompt length, the sequence's own token list (complete at release),
+        # whether it may use the shared history)
+        self.local: dict[int, tuple[SuffixIndex, int, int, list[int], bool]] = {}
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         out = []
@@ -111,23 +113,24 @@ class SuffixDrafter:
             tokens = seq.token_ids
             entry = self.local.get(seq.slot)
             if entry is None or entry[3] is not tokens:  # a new request in this slot
-                entry = (SuffixIndex(self.depth), 0, getattr(seq, "prompt_len", len(tokens)), tokens)
-            index, seen, prompt_len, _ = entry
+                shared = getattr(seq, "history", True) and self.history.max_tokens != 0
+                entry = (SuffixIndex(self.depth), 0, getattr(seq, "prompt_len", len(tokens)), tokens, shared)
+            index, seen, prompt_len, _, shared = entry
             index.extend(tokens, seen)
-            self.local[seq.slot] = (index, len(tokens), prompt_len, tokens)
+            self.local[seq.slot] = (index, len(tokens), prompt_len, tokens, shared)
             if k <= 0:
                 out.append(Draft([]))
                 continue
             mine = index.continuation(tokens, k)
-            theirs = self.history.continuation(tokens, k, GLOBAL_MIN_MATCH)
+            theirs = self.history.continuation(tokens, k, GLOBAL_MIN_MATCH) if shared else []
             out.append(Draft(theirs if len(theirs) > len(mine) else mine))
         return out
 
     def release(self, slot: int) -> None:
         """The request in `slot` finished: its output joins the history (only requests this drafter served)."""
         entry = self.local.pop(slot, None)
-        if entry is not None:
-            _, _, prompt_len, tokens = entry
+        if entry is not None and entry[4]:  # a request that opted out leaves nothing behind
+            _, _, prompt_len, tokens, _ = entry
             self.history.add(list(tokens[prompt_len:]))
 
     def extra_memory_bytes(self) -> int:
