@@ -139,3 +139,20 @@ def test_an_unknown_workload_name_is_refused(tmp_path):
     proc = cli("evaluate", "--workload", "spec-bench", "--out", tmp_path, check=False)
     assert proc.returncode == 2 and "neither a file nor a built-in workload" in proc.stderr
     assert "spec-bench-like" in proc.stderr
+
+
+def test_the_agent_like_workload_asks_for_tool_calls_of_recurring_shapes():
+    from specwise.harness.validate import run_validators
+    from specwise.harness.workload import builtin_workload
+
+    w = builtin_workload("agent-like")
+    assert len(w.tasks) == 16 and {g for t in w.tasks for g in t.groups} >= {"agent", "get_weather", "create_ticket"}
+    task = next(t for t in w.tasks if t.id == "get_weather-0")
+    good = '{"tool": "get_weather", "arguments": {"city": "Paris"}}'
+    assert all(o.passed for o in run_validators(good, list(task.validators)))
+    for bad in (
+        '{"tool": "search_flights", "arguments": {"city": "Paris"}}',
+        "Paris is sunny",
+        '{"tool": "get_weather"}',
+    ):
+        assert not all(o.passed for o in run_validators(bad, list(task.validators))), bad

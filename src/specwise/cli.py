@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="measure baseline against speculative configurations and give a verdict")
     ev.add_argument(
         "--workload",
-        help="a YAML/JSONL workload file, or a built-in one: release-notes (default) or spec-bench-like "
-        "(six Spec-Bench-like categories)",
+        help="a YAML/JSONL workload file, or a built-in one: release-notes (default), spec-bench-like "
+        "(six Spec-Bench-like categories) or agent-like (tool calls answered with JSON)",
     )
     ev.add_argument(
         "--model",

@@ -151,7 +151,79 @@ def _task(t: object, where: str) -> Task:
 SYSTEM = "You are a release-note assistant. You turn engineering notes into release notes for users."
 
 
-BUILTIN = ("release-notes", "spec-bench-like")
+BUILTIN = ("release-notes", "spec-bench-like", "agent-like")
+
+AGENT_SYSTEM = (
+    "You are a tool-calling agent. Answer every request with exactly one JSON object and nothing else: "
+    '{"tool": NAME, "arguments": {...}}. Tools: get_weather(city), search_flights(origin, destination, date), '
+    "convert_currency(amount, source, target), create_ticket(title, priority)."
+)
+AGENT_EXAMPLES = [
+    ("What's the weather in Oslo?", {"tool": "get_weather", "arguments": {"city": "Oslo"}}),
+    (
+        "Find me a flight from Lisbon to Rome on 2026-12-04.",
+        {"tool": "search_flights", "arguments": {"origin": "Lisbon", "destination": "Rome", "date": "2026-12-04"}},
+    ),
+]
+AGENT_REQUESTS: list[tuple[str, str, list]] = [
+    ("get_weather", "What's the weather in {0}?", ["Paris", "Tokyo", "Lima", "Cairo"]),
+    (
+        "search_flights",
+        "Find me a flight from {0} to {1} on 2026-12-1{2}.",
+        [("Madrid", "Berlin", 1), ("Boston", "Denver", 2), ("Seoul", "Osaka", 3), ("Dublin", "Vienna", 4)],
+    ),
+    (
+        "convert_currency",
+        "Convert {0} {1} to {2}.",
+        [(100, "EUR", "USD"), (250, "GBP", "JPY"), (40, "CHF", "EUR"), (75, "USD", "CAD")],
+    ),
+    (
+        "create_ticket",
+        "Open a {1} priority ticket: {0}.",
+        [
+            ("login page is slow", "high"),
+            ("typo in footer", "low"),
+            ("export fails on Safari", "medium"),
+            ("dark mode flickers", "low"),
+        ],
+    ),
+]
+AGENT_ARGUMENTS = {
+    "get_weather": ["city"],
+    "search_flights": ["origin", "destination", "date"],
+    "convert_currency": ["amount", "source", "target"],
+    "create_ticket": ["title", "priority"],
+}
+
+
+def agent_workload() -> Workload:
+    """Tool-calling turns whose answers are JSON objects of a few recurring shapes (what suffix drafting learns from
+    across requests): four tools × four requests, each validated against its tool's call schema."""
+    shots: list[dict] = [{"role": "system", "content": AGENT_SYSTEM}]
+    for question, call in AGENT_EXAMPLES:
+        shots += [{"role": "user", "content": question}, {"role": "assistant", "content": json.dumps(call)}]
+    tasks = []
+    for tool, template, values in AGENT_REQUESTS:
+        schema = {
+            "type": "object",
+            "required": ["tool", "arguments"],
+            "properties": {
+                "tool": {"const": tool},
+                "arguments": {"type": "object", "required": AGENT_ARGUMENTS[tool]},
+            },
+        }
+        for i, v in enumerate(values):
+            question = template.format(*(v if isinstance(v, tuple) else (v,)))
+            tasks.append(
+                Task(
+                    f"{tool}-{i}",
+                    ("agent", tool),
+                    64,
+                    messages=(*shots, {"role": "user", "content": question}),
+                    validators=({"type": "json_schema", "schema": schema},),
+                )
+            )
+    return Workload("agent-like", tasks, "tool-calling turns answered with JSON of recurring shapes", "built-in")
 
 
 def builtin_workload(name: str = "release-notes") -> Workload:
@@ -161,6 +233,8 @@ def builtin_workload(name: str = "release-notes") -> Workload:
         raise SpecwiseError(f"unknown built-in workload {name!r} (allowed: {', '.join(BUILTIN)})")
     if name == "spec-bench-like":
         return load_workload(DATA / "spec_bench_like.yaml")
+    if name == "agent-like":
+        return agent_workload()
     doc = yaml.safe_load((DATA / "release_notes.yaml").read_text())
     tasks = []
     for ns in doc["note_sets"]:
