@@ -13,7 +13,6 @@ resident memory of `specwise serve` idle and after traffic.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import COPY_HEAVY, FREE_FORM
+from serve_load import free_port
 
 LOAD = (
     "import time, torch; t = time.perf_counter(); from specwise.engine import load_target; load_target(); "
@@ -54,9 +54,7 @@ def main() -> None:
         f"load of the embedded model (torch import excluded): first {first:.1f} s (empty cache: GGUF read and "
         f"packed, kernels built), later {later:.2f} s"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -164,6 +164,9 @@ def test_a_bad_policy_file_is_refused(tmp_path, tiny_dir):
     bad.write_text('{"specwise_policy": 1, "drafter": "ngram", "k_by_concurrency": [[1, -2]]}')
     proc = cli("serve", "--model", tiny_dir, "--policy-from", bad, check=False)
     assert proc.returncode == 2 and "not a specwise policy file" in proc.stderr
+    bad.write_text('{"specwise_policy": 1, "drafter": "ngram", "k_by_concurrency": [[1, 99]]}')  # k above K_MAX
+    proc = cli("serve", "--model", tiny_dir, "--policy-from", bad, check=False)
+    assert proc.returncode == 2 and "k from 0 (off) to 16" in proc.stderr
 
 
 def test_evaluate_sweeps_k_in_process(tmp_path, tiny_dir):

@@ -31,6 +31,18 @@ def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
     return value
 
 
+def parse_threshold(text: str, flag: str = "--policy-threshold") -> tuple[int, int | None]:
+    """The auto policy's thresholds: '8' → (8, None); '8:4' → (8, 4)."""
+    high, _, low = text.partition(":")
+    if not high.isdigit() or (low and not low.isdigit()):
+        raise SpecwiseError(
+            f"{flag} {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, e.g. 4 or 4:2): drafting stops "
+            "above HIGH running+waiting requests, resumes at LOW",
+            param="high",
+        )
+    return int(high), int(low) if low else None
+
+
 def check_k_max(k_max: object) -> int:
     """The cap of adaptive draft lengths: 1..K_MAX."""
     if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:

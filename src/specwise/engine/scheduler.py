@@ -215,8 +215,7 @@ class Scheduler:
     def _apply_policy(self, policy: Policy, by: str, reason: str) -> None:
         old = self.policy
         policy.switches = old.switches  # /metrics counts switches as one running total
-        self.policy = policy
-        self.engine.k_limit = None
+        self.policy = policy  # its k limit reaches the engine with the next step's update
         change = PolicyChange(time.time(), old.describe(), policy.describe(), by, reason)
         self.policy_changes.append(change)
         for hook in self.on_policy:

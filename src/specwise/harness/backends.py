@@ -199,6 +199,7 @@ class EngineBackend:
 
         self.target = load_target(model, device=device, dtype=dtype, quantize=quantize)
         self.temperature = temperature
+        self._facts: dict[str, dict] = {}
         self.engines = {
             c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len) for c in configs
         }
@@ -222,16 +223,19 @@ class EngineBackend:
         return {"target": self.target.identity.to_dict(), "configs": configs, "hardware": hw, "backend": "engine"}
 
     def facts(self, config: str) -> dict | None:
-        """From this configuration's own engine: the target it runs, this specwise, this machine."""
+        """From this configuration's own engine: the target it runs, this specwise, this machine (read once: the
+        runner asks after every phase)."""
         from specwise import __version__
         from specwise.engine.weights import device_info
 
-        target = self.engines[config].target
-        return {
-            "target": target.identity.to_dict(),
-            "server": {"kind": "specwise (in process)", "version": __version__},
-            "hardware": {**hardware(), **device_info(target.device)},
-        }
+        if config not in self._facts:
+            target = self.engines[config].target
+            self._facts[config] = {
+                "target": target.identity.to_dict(),
+                "server": {"kind": "specwise (in process)", "version": __version__},
+                "hardware": {**hardware(), **device_info(target.device)},
+            }
+        return self._facts[config]
 
     def warm_up(self) -> None:
         """One short generation per configuration, so the first measured request pays no one-time costs."""

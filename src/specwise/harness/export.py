@@ -16,16 +16,15 @@ import json
 
 from specwise.errors import SpecwiseError
 from specwise.harness.results import KChoice, Run
-from specwise.specs import EXPORT_FORMATS
+from specwise.specs import EXPORT_FORMATS, K_MAX
 
-FORMATS = EXPORT_FORMATS
 POLICY_VERSION = 1
 
 
 def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, list[str]]:
     """(what to paste, notes for the reader) for `fmt`."""
-    if fmt not in FORMATS:
-        raise SpecwiseError(f"--format {fmt!r} is not allowed: choose one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise SpecwiseError(f"--format {fmt!r} is not allowed: choose one of {', '.join(EXPORT_FORMATS)}")
     choices = _choices(run, drafter)
     name = choices[0].drafter
     top = max(c.concurrency for c in choices)
@@ -109,10 +108,17 @@ def read_policy_file(path: str) -> tuple[str, list[tuple[int, int]]]:
         or not isinstance(doc.get("drafter"), str)
         or not isinstance(table, list)
         or not table
-        or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r) for r in table)
+        or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in table)
     ):
         raise SpecwiseError(
             f"{path}: not a specwise policy file (write one with `specwise export-config RUN.db --format specwise`)"
+        )
+    bad = [r for r in table if r[0] < 1 or not 0 <= r[1] <= K_MAX]  # the bounds PUT /admin/policy applies
+    if bad:
+        raise SpecwiseError(
+            f"{path}: not a specwise policy file: k_by_concurrency rows {bad} are not allowed, each is [load ≥ 1, k "
+            f"from 0 (off) to {K_MAX}]",
+            param="k_by_concurrency",
         )
     rows = sorted((int(hi), int(k)) for hi, k in table)
     return doc["drafter"], rows

@@ -317,9 +317,10 @@ class HTTPBackend:
                     if "error" in obj:
                         raise SpecwiseError(f"the server failed mid-stream: {_error_message(obj)}")
                     usage = obj.get("usage") or usage
-                    spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats.py)
-                    own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
-                    prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
+                    if _final(obj):  # only a closing chunk carries statistics: keep text chunks cheap
+                        spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats)
+                        own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
+                        prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
                     for choice in obj.get("choices") or []:
                         piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                         if piece:
@@ -339,6 +340,17 @@ class HTTPBackend:
             "rendered": rendered,
             "finished": time.perf_counter(),
         }
+
+
+def _final(obj: dict) -> bool:
+    """Whether a stream chunk can carry the request's statistics: usage, timings, metrics, or a finish reason."""
+    return bool(
+        obj.get("usage")
+        or obj.get("timings")
+        or obj.get("metrics")
+        or obj.get("speculative")
+        or any(c.get("finish_reason") for c in obj.get("choices") or [] if isinstance(c, dict))
+    )
 
 
 def _error_message(obj) -> str:

@@ -102,7 +102,8 @@ def run(
     done = store.done_keys()
     info = backend.info()
     # Prompts, output limits and sampling are one plan's for every configuration; what can differ is each
-    # configuration's system: its facts come from it (its engine, its launched server) and must agree.
+    # configuration's system: its facts come from it (its engine, its launched server) and must agree. A server
+    # launched per configuration is known only once it runs: the HTTP backend checks it then, before measuring it.
     check_comparable(_facts(backend, plan))
     store.set_meta("plan", meta)
     store.set_meta("fingerprint", plan.fingerprint())
@@ -162,7 +163,6 @@ def run(
                     if phase.counters:  # the server's own spec-decode counters over this phase (vLLM's names)
                         counters.setdefault(key, []).append(phase.counters)
                         store.set_meta("server_counters", counters)
-                    check_comparable(_facts(backend, plan))  # a launched server's facts are known once it ran
     if bar is not None:
         bar.close()
     # A launched server reports its target only once it runs: record what the measured servers said.

@@ -16,17 +16,7 @@ from specwise.harness.export import read_policy_file
 from specwise.monitor.drift import load_baseline, parse_window
 from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import RequestLog
-
-
-def parse_threshold(text: str) -> tuple[int, int | None]:
-    """'8' → (8, None); '8:4' → (8, 4)."""
-    high, _, low = text.partition(":")
-    if not high.isdigit() or (low and not low.isdigit()):
-        raise SpecwiseError(
-            f"--policy-threshold {text!r} is not allowed: write HIGH or HIGH:LOW (whole numbers, "
-            "e.g. 4 or 4:2): drafting stops above HIGH running+waiting requests, resumes at LOW"
-        )
-    return int(high), int(low) if low else None
+from specwise.specs import parse_threshold
 
 
 def read_policy_from(args: argparse.Namespace):

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from specwise.errors import SpecwiseError
+from specwise.specs import parse_threshold
 
 
 def policy_body(args: argparse.Namespace) -> dict:
@@ -28,10 +29,8 @@ def policy_body(args: argparse.Namespace) -> dict:
         if args.threshold:
             if args.mode != "auto":
                 raise SpecwiseError("--threshold is auto's: HIGH[:LOW]")
-            high, _, low = args.threshold.partition(":")
-            if not high.isdigit() or (low and not low.isdigit()):
-                raise SpecwiseError(f"--threshold {args.threshold!r} is not allowed: write HIGH or HIGH:LOW")
-            body.update(high=int(high), **({"low": int(low)} if low else {}))
+            high, low = parse_threshold(args.threshold, "--threshold")
+            body.update(high=high, **({"low": low} if low is not None else {}))
         if args.table:
             if args.mode != "table":
                 raise SpecwiseError("--table is for mode table")
