@@ -268,13 +268,19 @@ def sample_first_tokens(engine, prompt, N, n=3):
 N_SAMPLES = 3000
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "int8", "layerskip:1", "suffix"])
-def test_sampling_preserves_the_target_distribution(small_dirs, drafter):
-    """The first three tokens (t1 from the prefill, t2..t3 from one verification with k=2) follow the target."""
+DISTRIBUTION_CASES = [
+    (d, v) for v in ("rejection", "coupled") for d in ["ngram", "model", "int8", "layerskip:1", "suffix"]
+]
+
+
+@pytest.mark.parametrize("drafter,verify", DISTRIBUTION_CASES)
+def test_sampling_preserves_the_target_distribution(small_dirs, drafter, verify):
+    """The first three tokens (t1 from the prefill, t2..t3 from one verification with k=2) follow the target, under
+    either verification method."""
     target = load_target(small_dirs[0])
     spec = f"model:{small_dirs[1]}" if drafter == "model" else drafter
     prompt = "abcdabcdbadc"
-    engine = Engine(target, drafter=spec, k=2, max_batch=16)
+    engine = Engine(target, drafter=spec, k=2, max_batch=16, verify=verify)
     counts = sample_first_tokens(engine, prompt, N_SAMPLES)
     exact = exact_joint(target.model, target.tokenizer.encode(prompt), 3, target.tokenizer.vocab_size)
     stat, df = chi2(counts, exact, N_SAMPLES)
@@ -286,13 +292,27 @@ def test_distribution_check_catches_a_sampler_that_always_accepts(small_dirs, mo
     from specwise.engine import engine as engine_mod
     from specwise.engine.verify import BONUS, Verdict
 
-    def always_accept(draft, draft_probs, target_probs, generator):
-        bonus = int(torch.multinomial(target_probs[len(draft)], 1, generator=generator))
-        return Verdict(len(draft), bonus, BONUS)
+    def always_accept(draft, draft_probs, target_probs, noise, position, bonus_token):
+        return Verdict(len(draft), bonus_token(), BONUS)
 
     monkeypatch.setattr(engine_mod, "rejection_verify", always_accept)
     target = load_target(small_dirs[0])
-    engine = Engine(target, drafter="ngram", k=2, max_batch=16)
+    engine = Engine(target, drafter="ngram", k=2, max_batch=16, verify="rejection")
+    counts = sample_first_tokens(engine, "abcdabcdbadc", N_SAMPLES)
+    exact = exact_joint(target.model, target.tokenizer.encode("abcdabcdbadc"), 3, target.tokenizer.vocab_size)
+    stat, df = chi2(counts, exact, N_SAMPLES)
+    assert stat > chi2_critical(df)
+
+
+def test_distribution_check_catches_noise_not_keyed_by_position(small_dirs, monkeypatch):
+    """… and for the coupled method: Gumbel noise reused at every position (keyed by the seed alone, a plausible
+    bug) makes each token a draw from its distribution but couples the tokens of a sequence; the check fails it."""
+    from specwise.engine.noise import Noise
+
+    real = Noise.gumbel
+    monkeypatch.setattr(Noise, "gumbel", lambda self, position, vocab, device=None: real(self, 0, vocab, device))
+    target = load_target(small_dirs[0])
+    engine = Engine(target, drafter="ngram", k=2, max_batch=16, verify="coupled")
     counts = sample_first_tokens(engine, "abcdabcdbadc", N_SAMPLES)
     exact = exact_joint(target.model, target.tokenizer.encode("abcdabcdbadc"), 3, target.tokenizer.vocab_size)
     stat, df = chi2(counts, exact, N_SAMPLES)

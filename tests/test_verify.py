@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from specwise.engine.verify import BONUS, RECOVERED, greedy_verify, rejection_verify
+from specwise.engine.noise import Noise
+from specwise.engine.sampling import draw
+from specwise.engine.verify import BONUS, RECOVERED, coupled_verify, greedy_verify, rejection_verify
+
+
+def rv(draft, draft_probs, target, seed):
+    """rejection_verify with the request's stream for `seed`; the bonus drawn from the last row."""
+    noise = Noise(seed)
+    k = len(draft)
+    return rejection_verify(draft, draft_probs, target, noise, 0, lambda: draw(target[k], noise.uniforms(k, 9)[0]))
 
 
 def onehot(ids, V=6):
@@ -33,23 +42,22 @@ def test_greedy_empty_draft_is_plain_decoding():
 
 
 def test_rejection_certain_target_accepts_matching_draft_and_samples_bonus():
-    g = torch.Generator().manual_seed(0)
     target = onehot([2, 3, 5])
-    v = rejection_verify([2, 3], None, target, g)  # one-hot draft, target agrees with certainty
+    v = rv([2, 3], None, target, 0)  # one-hot draft, target agrees with certainty
     assert (v.accepted, v.token, v.kind) == (2, 5, BONUS)
 
 
 def test_rejection_zero_target_probability_always_rejects_and_recovers_from_residual():
     target = torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0], [1 / 6] * 6])
     for seed in range(20):
-        v = rejection_verify([0], None, target, torch.Generator().manual_seed(seed))
+        v = rv([0], None, target, seed)
         assert v.accepted == 0 and v.kind == RECOVERED and v.token in (1, 2)
 
 
 def test_rejection_recovered_token_never_the_rejected_onehot_draft():
     target = torch.tensor([[0.6, 0.4, 0, 0, 0, 0], [1 / 6] * 6])
     for seed in range(50):
-        v = rejection_verify([0], None, target, torch.Generator().manual_seed(seed))
+        v = rv([0], None, target, seed)
         if v.kind == RECOVERED:
             assert v.token == 1  # residual max(0, p − onehot(0)) keeps only token 1
 
@@ -59,26 +67,48 @@ def test_rejection_with_draft_probs_uses_residual_p_minus_q():
     target = torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0], [1 / 6] * 6])
     draft_probs = torch.tensor([[0.5, 0.5, 0, 0, 0, 0]])
     for seed in range(50):
-        v = rejection_verify([1], draft_probs, target, torch.Generator().manual_seed(seed))
+        v = rv([1], draft_probs, target, seed)
         assert v.kind == BONUS or v.token == 2
 
 
 def test_rejection_acceptance_probability_is_p_over_q():
     target = torch.tensor([[0.3, 0.7, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
     draft_probs = torch.tensor([[0.6, 0.4, 0, 0, 0, 0]])  # p/q for token 0 = 0.5
-    accepted = sum(
-        rejection_verify([0], draft_probs, target, torch.Generator().manual_seed(s)).accepted for s in range(4000)
-    )
+    accepted = sum(rv([0], draft_probs, target, s).accepted for s in range(4000))
     assert accepted / 4000 == pytest.approx(0.5, abs=0.03)
 
 
 def test_rejection_empty_draft_samples_target():
     target = torch.tensor([[0, 0, 0, 1.0, 0, 0]])
-    v = rejection_verify([], None, target, torch.Generator().manual_seed(0))
+    v = rv([], None, target, 0)
     assert (v.accepted, v.token, v.kind) == (0, 3, BONUS)
 
 
 def test_rejection_is_deterministic_for_a_seed():
     target = torch.softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), -1)
-    runs = {rejection_verify([1, 2, 3], None, target, torch.Generator().manual_seed(7)) for _ in range(5)}
+    runs = {rv([1, 2, 3], None, target, 7) for _ in range(5)}
     assert len(runs) == 1
+
+
+def test_coupled_keeps_draft_tokens_equal_to_the_targets_draws_and_asks_no_further():
+    asked = []
+
+    def target_token(i):
+        asked.append(i)
+        return [3, 1, 2, 7][i]
+
+    v = coupled_verify([3, 1, 4], target_token)
+    assert (v.accepted, v.token, v.kind) == (2, 2, RECOVERED)
+    assert asked == [0, 1, 2]  # the row after the mismatch is never drawn
+    v = coupled_verify([3, 1, 2], lambda i: [3, 1, 2, 7][i])
+    assert (v.accepted, v.token, v.kind) == (3, 7, BONUS)
+
+
+def test_rejection_draws_depend_on_position_not_on_what_was_drawn_before():
+    """Counter-based: the same (seed, position) gives the same uniform whatever was asked for before it."""
+    a, b = Noise(5), Noise(5)
+    b.uniforms(0, 1), b.uniforms(3, 2), b.gumbel(2, 10)
+    assert a.uniforms(4, 1)[0] == b.uniforms(4, 1)[0]
+    assert torch.equal(a.gumbel(7, 50), b.gumbel(7, 50))
+    assert not torch.equal(a.gumbel(7, 50), a.gumbel(8, 50))  # and positions differ
+    assert a.uniforms(4, 1)[0] != Noise(5, stream=1).uniforms(4, 1)[0]  # choices of n differ

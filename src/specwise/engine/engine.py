@@ -20,9 +20,17 @@ import torch
 
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
-from specwise.engine.sampling import SamplingParams, greedy, make_generator, probs_from_logits, sample
+from specwise.engine.noise import Noise, fresh_seed
+from specwise.engine.sampling import (
+    SamplingParams,
+    adjust,
+    greedy,
+    gumbel_argmax,
+    log_distribution,
+    top_logprobs,
+)
 from specwise.engine.stats import RequestStats
-from specwise.engine.verify import greedy_verify, rejection_verify
+from specwise.engine.verify import Verdict, coupled_verify, greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
 from specwise.specs import K_MAX, check_k_max, parse_k
@@ -31,7 +39,20 @@ DEFAULT_MAX_LEN = 2048
 PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
 PREFILL_IDLE = 1024  # prompt tokens a pass takes when nothing else is running
 PAD_MARGIN = 2 * K_MAX + 2  # cache positions past max_len that padded rows of a batch may write to
+VERIFY_METHODS = ("coupled", "rejection")  # how a sampled draft is verified (verify.py); the first is the default
 Prompt = str | list[dict]
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, its logprob, the top alternatives
+
+
+def check_verify(method: str) -> str:
+    """A verification method name, or a SpecwiseError naming the allowed ones."""
+    if method not in VERIFY_METHODS:
+        raise SpecwiseError(
+            f"verify={method!r} is not allowed: use {' or '.join(VERIFY_METHODS)} (coupled: a seeded output equals "
+            "plain decoding's token for token; rejection: classic speculative sampling)",
+            param="verify",
+        )
+    return method
 
 
 @dataclass
@@ -44,9 +65,10 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
     stats: RequestStats
     seed: int
+    logprobs: list[TokenLogprob] | None = None  # one entry per output token, when asked for
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": self.token_ids,
@@ -54,6 +76,9 @@ class GenerationResult:
             "seed": self.seed,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": t, "logprob": lp, "top": top} for t, lp, top in self.logprobs]
+        return out
 
 
 @dataclass
@@ -64,6 +89,7 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -78,13 +104,15 @@ class Sequence:
     token_ids: list[int]  # prompt + committed output
     prompt_len: int
     params: SamplingParams
-    generator: torch.Generator
+    noise: Noise  # the request's counter-based random numbers (seed, choice index)
     seed: int
     speculative: bool
     controller: FixedK | AdaptiveK | None
     submitted: float
     drafter: str | None = None  # which of the engine's drafters proposes for this request
     history: bool = True  # may draft from, and add to, drafters' cross-request history (suffix)
+    verify: str = VERIFY_METHODS[0]  # how sampled drafts are verified
+    logprobs: list[TokenLogprob] | None = None
     slot: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
     first_token_at: float = 0.0
@@ -112,6 +140,7 @@ class Engine:
         max_len: int | None = None,
         k_max: int = 8,
         prefill_chunk: int = PREFILL_CHUNK,
+        verify: str = VERIFY_METHODS[0],
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecwiseError(f"max_batch={max_batch!r} is not allowed: it must be an integer ≥ 1")
@@ -121,6 +150,7 @@ class Engine:
                 "tokens per pass while other requests decode)"
             )
         self.prefill_chunk = prefill_chunk
+        self.verify = check_verify(verify)
         model_ctx = getattr(target.model, "max_len", None) or DEFAULT_MAX_LEN
         self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
         if self.max_len < 2:
@@ -188,13 +218,25 @@ class Engine:
         k: int | str | None = None,
         fill_context: bool = False,
         history: bool = True,
+        verify: str | None = None,
+        choice: int = 0,
     ) -> Sequence:
         """Check and encode a request without queueing it (safe from another thread than the loop's).
 
         `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request;
-        `fill_context` lets it generate up to the rest of the context (OpenAI's default when no limit is given).
+        `fill_context` lets it generate up to the rest of the context (OpenAI's default when no limit is given);
+        `verify` overrides the engine's verification method; `choice` is the index of this sequence among a
+        request's `n` (its random stream: choice 0 of a seeded request is what the same request with n = 1 gives).
         """
         params = params or SamplingParams()
+        method = self.verify if verify is None else check_verify(verify)
+        vocab = _vocab_size(self.model)
+        bad = [t for t, _ in params.logit_bias if t >= vocab] if vocab is not None else []
+        if bad and vocab is not None:
+            raise SpecwiseError(
+                f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {vocab} (ids 0..{vocab - 1})",
+                param="logit_bias",
+            )
         ids = self.encode_prompt(prompt)
         if fill_context:
             params = dataclasses.replace(params, max_new_tokens=max(self.max_len - len(ids), 1))
@@ -215,7 +257,7 @@ class Engine:
                 param="drafter",
             )
         k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
-        generator, seed = make_generator(params, self.device)
+        seed = params.seed if params.seed is not None else fresh_seed()
         name = drafter or (self.drafter.name if self.drafter is not None else None)
         use_spec = speculative and name is not None
         controller: AdaptiveK | FixedK | None = None
@@ -230,13 +272,15 @@ class Engine:
             ids,
             len(ids),
             params,
-            generator,
+            Noise(seed, choice),
             seed,
             use_spec,
             controller,
             self._now(),
             drafter=name if use_spec else None,
             history=history,
+            verify=method,
+            logprobs=[] if params.logprobs is not None else None,
         )
         seq.stats.prompt_tokens = len(ids)
         return seq
@@ -256,9 +300,14 @@ class Engine:
         drafter: str | None = None,
         k: int | str | None = None,
         history: bool = True,
+        verify: str | None = None,
+        choice: int = 0,
     ) -> str:
         """Check, encode and queue a request (see `prepare`)."""
-        return self.enqueue(self.prepare(prompt, params, request_id, speculative, drafter, k, history=history))
+        seq = self.prepare(
+            prompt, params, request_id, speculative, drafter, k, history=history, verify=verify, choice=choice
+        )
+        return self.enqueue(seq)
 
     @property
     def has_work(self) -> bool:
@@ -402,36 +451,66 @@ class Engine:
                 out_rows.append(len(tokens) - 1)
         logits = self._forward(tokens, positions, slots, out_rows)
         verdicts = []
+        row_logprobs: list[list[TokenLogprob] | None] = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
             scores = logits[starts[b] : starts[b] + len(draft.tokens) + 1]  # (k+1, V)
-            if seq.params.greedy:
-                verdicts.append(greedy_verify(draft.tokens, greedy(scores)))
-            else:
-                verdicts.append(
-                    rejection_verify(draft.tokens, draft.probs, probs_from_logits(scores, seq.params), seq.generator)
-                )
+            verdict, lps = self._verify(seq, draft, scores)
+            verdicts.append(verdict)
+            row_logprobs.append(lps)
         t2 = self._now()
         if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
             self.costs.observe_pass(len(tokens), t2 - t1)
         events = []
-        for seq, draft, verdict, dt in zip(seqs, drafts, verdicts, draft_time, strict=True):
+        for seq, draft, verdict, dt, lps in zip(seqs, drafts, verdicts, draft_time, row_logprobs, strict=True):
             if seq.controller is not None:
                 seq.controller.observe(len(draft.tokens), verdict.accepted)
             seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
             self.last_step_rows.append((len(draft.tokens), verdict.accepted))
-            events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token]))
+            events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token], lps))
         for seq, at in firsts:
-            last = logits[at : at + 1]  # (1, V)
-            token = (
-                greedy(last)[0]
-                if seq.params.greedy
-                else int(sample(probs_from_logits(last, seq.params), seq.generator))
-            )
+            verdict, lps = self._verify(seq, Draft([]), logits[at : at + 1])
+            token = verdict.token
             seq.stats.prefill_time = t2 - seq.prefill_started
             seq.first_token_at = t2
             seq.stats.ttft = t2 - seq.submitted
-            events.append(self._commit(seq, [token]))
+            events.append(self._commit(seq, [token], lps))
         return events
+
+    def _verify(self, seq: Sequence, draft: Draft, scores: torch.Tensor) -> tuple[Verdict, list[TokenLogprob] | None]:
+        """Verify one row's draft against its (k+1, V) target logits: the verdict, and the emitted tokens' logprobs
+        when the request asked for them. Penalties, bias and min_tokens are applied to each position with its own
+        prefix first, so every method decides on the distribution plain decoding would have there."""
+        params = seq.params
+        if params.adjusts:
+            scores = adjust(scores, params, seq.token_ids[: seq.prompt_len], seq.output_ids, draft.tokens, self._eos)
+        logd = None if params.greedy and params.logprobs is None else log_distribution(scores, params)
+        position = len(seq.output_ids)  # output index of the first row
+        if params.greedy:
+            verdict = greedy_verify(draft.tokens, greedy(scores))
+        else:
+            assert logd is not None
+            vocab = logd.shape[-1]
+
+            def target_token(i: int) -> int:  # the Gumbel-max draw plain decoding makes at this row's position
+                return gumbel_argmax(logd[i], seq.noise.gumbel(position + i, vocab, logd.device))
+
+            if seq.verify == "coupled":
+                verdict = coupled_verify(draft.tokens, target_token)
+            else:
+                probs = logd.exp()
+                k = len(draft.tokens)
+                verdict = rejection_verify(
+                    draft.tokens, draft.probs, probs, seq.noise, position, lambda: target_token(k)
+                )
+        if params.logprobs is None:
+            return verdict, None
+        assert logd is not None
+        emitted = [*draft.tokens[: verdict.accepted], verdict.token]
+        return verdict, [(t, *top_logprobs(logd[i], t, params.logprobs)) for i, t in enumerate(emitted)]
+
+    @property
+    def _eos(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_ids)
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
         """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — what pays
@@ -467,7 +546,7 @@ class Engine:
         k = seq.controller.choose() if self.k_limit is None else min(seq.controller.choose(), self.k_limit)
         return max(0, min(k, room))
 
-    def _commit(self, seq: Sequence, new: list[int]) -> StreamEvent:
+    def _commit(self, seq: Sequence, new: list[int], logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         """Append verified tokens, cut at EOS / max_new_tokens / a stop string, and build the stream event."""
         params, eos = seq.params, self.tokenizer.eos_ids
         kept = []
@@ -479,19 +558,27 @@ class Engine:
                 seq.finish_reason = "stop"
             if seq.finish_reason:
                 break
+        before = len(seq.output_ids)
         seq.token_ids += kept
         seq.stats.generated_tokens = len(seq.output_ids)
         seq.text = self.tokenizer.decode(seq.output_ids)
         if params.stop:
             self._apply_stop_strings(seq, len(kept))
+        kept = seq.output_ids[before:]  # a stop string may have cut some
+        new_lps = None
+        if seq.logprobs is not None and logprobs is not None:
+            new_lps = logprobs[: len(kept)]
+            seq.logprobs += new_lps
         delta = self._stream_delta(seq)
         now = self._now()
         seq.stats.decode_time = now - seq.first_token_at
         result = None
         if seq.finish_reason:
             seq.stats.e2e = now - seq.submitted
-            result = GenerationResult(seq.request_id, seq.text, seq.output_ids, seq.finish_reason, seq.stats, seq.seed)
-        return StreamEvent(seq.request_id, delta, kept, result)
+            result = GenerationResult(
+                seq.request_id, seq.text, seq.output_ids, seq.finish_reason, seq.stats, seq.seed, seq.logprobs
+            )
+        return StreamEvent(seq.request_id, delta, kept, result, new_lps)
 
     def _apply_stop_strings(self, seq: Sequence, new_count: int) -> None:
         longest = max(len(s) for s in seq.params.stop)
@@ -564,6 +651,15 @@ def check_invariant(target: LoadedModel) -> None:
             "output could differ from plain output. Run it on the CPU kernels (a Llama-family model, --device cpu, "
             "with a C compiler installed), or decode plainly without a drafter"
         )
+
+
+def _vocab_size(model: object) -> int | None:
+    """The target's vocabulary size (our decoder's config, or a transformers model's), None when unknown."""
+    for attr in ("cfg", "config"):
+        size = getattr(getattr(model, attr, None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:

@@ -156,10 +156,14 @@ class Scheduler:
         request_id: str | None = None,
         fill_context: bool = False,
         history: bool = True,
+        verify: str | None = None,
+        choice: int = 0,
     ) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input and QueueFull when the waiting queue holds `max_queue` requests."""
-        seq = self.engine.prepare(prompt, params, request_id, speculative, drafter, k, fill_context, history)
+        seq = self.engine.prepare(
+            prompt, params, request_id, speculative, drafter, k, fill_context, history, verify=verify, choice=choice
+        )
         with self._lock:
             if self.waiting >= self.max_queue:
                 per_slot = self.recent_e2e / max(self.engine.max_batch, 1)

@@ -10,16 +10,30 @@ after the whole draft.
 - bonus token: when all k are accepted, one more token drawn from p(k+1) — for free, from the same pass.
 - output tokens: the accepted tokens followed by the recovered or bonus token; every step emits n + 1 ≥ 1 tokens.
 
-Greedy: di is accepted while it equals argmax p(i). Sampling: di is accepted with probability min(1, p(di)/q(di)),
-where q is the draft's distribution; a drafter without probabilities (n-gram lookup) is a one-hot q, for which
-the rule is: accept with probability p(di). Either way the output is distributed exactly as the target's.
+Greedy: di is accepted while it equals argmax p(i). Sampling offers two exact methods:
+
+- coupled (Gumbel-max): the target's token at a position is argmax(log p + G), G the request's Gumbel noise for that
+  position (noise.py) — an exact draw from p, and the very token plain decoding with the same seed draws there. di is
+  accepted while it equals that token, and the first that does not is replaced by it. The output is token for token
+  plain decoding's, whatever the drafter or k. A one-hot draft is accepted with probability p(di), as by rejection
+  sampling; a draft model proposing argmax(log q + G) with the same noise is accepted less often than 1 − TV(p, q).
+- rejection (Leviathan et al.): di is accepted with probability min(1, p(di)/q(di)), q the draft's distribution (a
+  one-hot q for drafters without probabilities: accept with probability p(di)); a rejection draws from
+  norm(max(0, p − q)). Distributed exactly as the target, but which tokens come out depends on the draft.
+
+Every random number comes from the request's counter-based stream at the position it decides, so a step uses the same
+numbers however the batch, k or timings went.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specwise.engine.noise import ACCEPT, RESIDUAL, Noise
+from specwise.engine.sampling import draw
 
 BONUS = "bonus"
 RECOVERED = "recovered"
@@ -43,32 +57,40 @@ def greedy_verify(draft: list[int], target_argmax: list[int]) -> Verdict:
     return Verdict(len(draft), target_argmax[len(draft)], BONUS)
 
 
+def coupled_verify(draft: list[int], target_token: Callable[[int], int]) -> Verdict:
+    """Keep draft tokens while they equal the target's own draw at their position (`target_token(i)`, the Gumbel-max
+    token of row i), then that draw. Rows after the first mismatch are never asked for."""
+    for i, token in enumerate(draft):
+        t = target_token(i)
+        if token != t:
+            return Verdict(i, t, RECOVERED)
+    return Verdict(len(draft), target_token(len(draft)), BONUS)
+
+
 def rejection_verify(
     draft: list[int],
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    noise: Noise,
+    position: int,
+    bonus_token: Callable[[], int],
 ) -> Verdict:
-    """Exact speculative sampling. draft_probs (k, V) or None for one-hot drafts; target_probs (k+1, V)."""
+    """Exact speculative sampling. draft_probs (k, V) or None for one-hot drafts; target_probs (k+1, V); `position`
+    is the output index of d1; `bonus_token()` draws from p(k+1) as plain decoding would at that position."""
     k = len(draft)
     assert target_probs.shape[0] == k + 1, "need one target distribution per draft token, plus one"
-    if k:
-        idx = torch.arange(k, device=target_probs.device)
-        tok = torch.tensor(draft, device=target_probs.device)
-        p = target_probs[idx, tok]  # (k,) target probability of each draft token
-        q = draft_probs[idx, tok] if draft_probs is not None else torch.ones_like(p)  # (k,)
-        u = torch.rand(k, generator=generator, device=target_probs.device)
-        rejected = (u * q >= p).nonzero()  # accept di iff u < p/q, i.e. u·q < p
-        if len(rejected):
-            n = int(rejected[0, 0])
-            residual = target_probs[n].clone()
-            if draft_probs is not None:
-                residual = torch.clamp(residual - draft_probs[n], min=0.0)
-            else:
-                residual[draft[n]] = 0.0  # max(0, p − onehot(dn))
-            total = residual.sum()
-            # Only float error can empty the residual (p == q); then p itself is the right distribution.
-            residual = residual / total if total > 0 else target_probs[n]
-            return Verdict(n, int(torch.multinomial(residual, 1, generator=generator)), RECOVERED)
-    bonus = torch.multinomial(target_probs[k], 1, generator=generator)
-    return Verdict(k, int(bonus), BONUS)
+    for n, token in enumerate(draft):
+        p = float(target_probs[n, token])
+        q = float(draft_probs[n, token]) if draft_probs is not None else 1.0
+        if noise.uniforms(position + n, ACCEPT)[0] * q < p:  # accept dn iff u < p/q
+            continue
+        residual = target_probs[n].clone()
+        if draft_probs is not None:
+            residual = torch.clamp(residual - draft_probs[n], min=0.0)
+        else:
+            residual[token] = 0.0  # max(0, p − onehot(dn))
+        # Only float error can empty the residual (p == q); then p itself is the right distribution.
+        if not float(residual.sum()) > 0:
+            residual = target_probs[n]
+        return Verdict(n, draw(residual, float(noise.uniforms(position + n, RESIDUAL)[0])), RECOVERED)
+    return Verdict(k, bonus_token(), BONUS)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specwise import __version__
-from specwise.engine.engine import GenerationResult, Sequence, StreamEvent
+from specwise.engine.engine import GenerationResult, Sequence, StreamEvent, TokenLogprob
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, Scheduler
 from specwise.errors import SpecwiseError
@@ -34,11 +34,13 @@ from specwise.server.protocol import (
     CompletionRequest,
     ProtocolError,
     SamplingFields,
+    StreamOptions,
     error_body,
     now,
     pydantic_error,
     sse,
 )
+from specwise.speccounts import SpecCounts
 
 log = logging.getLogger("specwise.server")
 DEFAULT_MAX_BODY = 1 << 20
@@ -254,14 +256,15 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        """OpenAI text completion; add `"speculative": {"enabled", "drafter", "k"}` to choose speculation."""
-        return await _generate(state, request, body, body.prompt, body.max_tokens, chat=False)
+        """OpenAI text completion (one prompt or a list, n choices each); add `"speculative": {"enabled", "drafter",
+        "k", "verify", "history"}` to choose speculation."""
+        return await _generate(state, request, body, body.prompts(), body.max_tokens, False, body.top_logprobs())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         """OpenAI chat completion, rendered with the model's chat template."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return await _generate(state, request, body, messages, body.limit(), chat=True)
+        return await _generate(state, request, body, [messages], body.limit(), True, body.top_logprobs_n())
 
     @app.get("/admin/policy")
     async def get_policy() -> dict:
@@ -279,8 +282,8 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     return app
 
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
         raise ProtocolError(
             f"the model {name!r} does not exist on this server: it serves {state.model_name!r}",
             "model",
@@ -290,47 +293,87 @@ def _check_model(state: ServerState, name: str) -> None:
         )
 
 
-def _submit(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None, sink) -> Sequence:
+def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's sampling settings from a request (null fields take OpenAI's defaults, as absent ones)."""
+    return SamplingParams(
+        max_new_tokens=max_tokens or 1,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=max(body.top_k or 0, 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=bool(body.ignore_eos),
+        min_tokens=body.min_tokens or 0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.bias(),
+        logprobs=logprobs,
+    )
+
+
+def _submit(
+    state: ServerState, body: SamplingFields, prompts: list, max_tokens: int | None, logprobs: int | None, sink
+) -> list[Sequence]:
+    """Queue every sequence of a request (each prompt × n choices; choice j of a seeded request draws from the seed's
+    stream j). All or none: a refusal takes back the ones already queued."""
     spec = body.speculative
+    submitted: list[Sequence] = []
     try:
-        params = SamplingParams(
-            max_new_tokens=max_tokens or 1,
-            temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
-        )
-        return state.scheduler.submit(
-            prompt,
-            params,
-            sink,
-            speculative=spec.enabled if spec else True,
-            drafter=spec.drafter if spec else None,
-            k=spec.k if spec else None,
-            fill_context=max_tokens is None,
-            history=spec.history if spec and spec.history is not None else True,
-        )  # as OpenAI: up to the rest of the context
+        params = _params(body, max_tokens, logprobs)
+        for prompt in prompts:
+            for j in range(body.choices()):
+                submitted.append(
+                    state.scheduler.submit(
+                        prompt,
+                        params,
+                        sink,
+                        speculative=spec.enabled if spec else True,
+                        drafter=spec.drafter if spec else None,
+                        k=spec.k if spec else None,
+                        fill_context=max_tokens is None,  # as OpenAI: up to the rest of the context
+                        history=spec.history if spec and spec.history is not None else True,
+                        verify=spec.verify if spec else None,
+                        choice=j,
+                    )
+                )
+        return submitted
     except QueueFull as exc:
+        _take_back(state, submitted)
         raise ProtocolError(
             str(exc), None, 429, "rate_limit_error", "queue_full", {"Retry-After": str(int(exc.retry_after + 0.999))}
         ) from None
     except SpecwiseError as exc:  # the engine names the input at fault; here it becomes the request's field
+        _take_back(state, submitted)
         param = exc.param
-        if param in ("drafter", "k", "k_max"):
+        if param in ("drafter", "k", "k_max", "verify"):
             param = "speculative"
-        elif param == "prompt" and isinstance(prompt, list):
+        elif param == "prompt" and isinstance(prompts[0], list):
             param = "messages"
+        elif param == "top_logprobs" and not isinstance(prompts[0], list):
+            param = "logprobs"
         raise ProtocolError(str(exc), param, 400, "invalid_request_error", exc.code) from None
 
 
-def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:
+def _take_back(state: ServerState, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        state.scheduler.cancel(seq.request_id)
+
+
+def _spec_usage(seqs: list[Sequence]) -> dict:
+    """specwise's speculation statistics of a request: its sequence's, or pooled over its choices."""
+    seq = seqs[0]
     s = seq.stats
-    return {
+    head = {
         "enabled": seq.speculative,
         "drafter": seq.drafter,
         "k": None if seq.controller is None else getattr(seq.controller, "k", "auto"),
+        "verify": seq.verify,
+    }
+    if len(seqs) > 1:
+        return {**head, **SpecCounts.pooled(x.stats for x in seqs).to_usage()}
+    return {
+        **head,
         **s.to_usage(),
         "queue_time": s.queue_time,
         "prefill_time": s.prefill_time,
@@ -338,13 +381,42 @@ def _spec_usage(seq: Sequence, result: GenerationResult | None) -> dict:
     }
 
 
-def _usage(seq: Sequence, result: GenerationResult) -> dict:
-    n = len(result.token_ids)
+def _usage(seqs: list[Sequence], completion_tokens: int) -> dict:
+    prompt_tokens = sum(s.prompt_len for s in seqs if s.noise.stream == 0)  # each prompt counted once, not per choice
     return {
-        "prompt_tokens": seq.prompt_len,
-        "completion_tokens": n,
-        "total_tokens": seq.prompt_len + n,
-        "speculative": _spec_usage(seq, result),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_text(state: ServerState, token: int) -> str:
+    return state.scheduler.engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _logprob(lp: float) -> float:
+    return max(lp, -9999.0)  # as vLLM: JSON has no −inf
+
+
+def _chat_logprobs(state: ServerState, entries: list[TokenLogprob]) -> dict:
+    def item(token: int, lp: float) -> dict:
+        text = _token_text(state, token)
+        return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries]}
+
+
+def _completion_logprobs(state: ServerState, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    tokens, offsets = [], []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        tokens.append(_token_text(state, t))
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(lp) for _, lp, _ in entries],
+        "top_logprobs": [{_token_text(state, a): _logprob(b) for a, b in top} for _, _, top in entries],
+        "text_offset": offsets,
     }
 
 
@@ -360,32 +432,58 @@ class _Relay:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (time.perf_counter(), event))
 
 
+@dataclass
+class _Choice:
+    """One sequence of a request as the client sees it: its index, text so far, timings for /metrics."""
+
+    index: int
+    seq: Sequence
+    started: float
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tokens: int = 0
+    first: float | None = None
+    last: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    result: GenerationResult | None = None
+
+    def observe(self, at: float, event: StreamEvent) -> None:
+        if event.token_ids:
+            if self.first is None:
+                self.first = at
+            else:
+                self.itl.append(at - self.last)
+            self.last = at
+        self.tokens += len(event.token_ids)
+        self.text.append(event.text)
+        if event.logprobs:
+            self.logprobs += event.logprobs
+
+
 async def _generate(
-    state: ServerState, request: Request, body: SamplingFields, prompt, max_tokens: int | None, chat: bool
+    state: ServerState,
+    request: Request,
+    body: SamplingFields,
+    prompts: list,
+    max_tokens: int | None,
+    chat: bool,
+    logprobs: int | None,
 ):
     _check_model(state, body.model)
     relay = _Relay()
     started = time.perf_counter()
     load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
-    seq = _submit(state, body, prompt, max_tokens, relay)
+    seqs = _submit(state, body, prompts, max_tokens, logprobs, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    first: float | None = None
-    last = started
-    itl: list[float] = []
+    choices = {seq.request_id: _Choice(i, seq, started) for i, seq in enumerate(seqs)}
 
-    def observe(at: float, event: StreamEvent) -> None:
-        nonlocal first, last
-        if event.token_ids:
-            if first is None:
-                first = at
-            else:
-                itl.append(at - last)
-            last = at
-
-    def finish(result: GenerationResult, at: float) -> None:
-        ttft = first - started if first is not None else None
-        state.metrics.on_request(ttft, itl, at - started, seq.prompt_len, len(result.token_ids), result.finish_reason)
-        record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompt}
+    def finish(choice: _Choice, result: GenerationResult, at: float) -> None:
+        choice.result = result
+        seq = choice.seq
+        ttft = choice.first - started if choice.first is not None else None
+        tokens = len(result.token_ids)
+        state.metrics.on_request(ttft, choice.itl, at - started, seq.prompt_len, tokens, result.finish_reason)
+        record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompts[choice.index // body.choices()]}
         for hook in state.on_finish:
             try:
                 hook(seq, result, record)
@@ -393,87 +491,116 @@ async def _generate(
                 log.exception("request log hook failed")
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options
         return StreamingResponse(
-            _stream(state, seq, relay, rid, chat, include_usage, observe, finish),
+            _stream(state, choices, relay, rid, chat, opts, finish),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    text: list[str] = []
     try:
-        while True:
+        while any(c.result is None for c in choices.values()):
             try:
                 at, event = await asyncio.wait_for(relay.queue.get(), timeout=1.0)
             except TimeoutError:
                 if await request.is_disconnected():
-                    state.scheduler.cancel(seq.request_id)
+                    _take_back(state, seqs)
                     return Response(status_code=499)
                 continue
             if isinstance(event, BaseException):
+                _take_back(state, seqs)
                 raise ProtocolError(
                     f"the engine failed while generating ({type(event).__name__}); retry the request",
                     None,
                     500,
                     "server_error",
                 )
-            observe(at, event)
-            text.append(event.text)
+            choice = choices[event.request_id]
+            choice.observe(at, event)
             if event.result is not None:
-                result = event.result
-                finish(result, at)
-                break
+                finish(choice, event.result, at)
     except asyncio.CancelledError:
-        state.scheduler.cancel(seq.request_id)
+        _take_back(state, seqs)
         raise
-    choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
+    out = []
+    for c in choices.values():
+        assert c.result is not None
+        item: dict = {"index": c.index, "finish_reason": c.result.finish_reason, "logprobs": None}
+        if logprobs is not None:
+            item["logprobs"] = _chat_logprobs(state, c.logprobs) if chat else _completion_logprobs(state, c.logprobs)
+        if chat:
+            item["message"] = {"role": "assistant", "content": c.result.text}
+        else:
+            item["text"] = c.result.text
+        out.append(item)
+    usage = _usage(seqs, sum(len(c.result.token_ids) for c in choices.values() if c.result is not None))
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": now(),
         "model": state.model_name,
-        "choices": [choice],
-        "usage": _usage(seq, result),
+        "choices": out,
+        "usage": {**usage, "speculative": _spec_usage(seqs)},
     }
 
 
 async def _stream(
-    state: ServerState, seq: Sequence, relay: _Relay, rid: str, chat: bool, include_usage: bool, observe, finish
+    state: ServerState,
+    choices: dict[str, _Choice],
+    relay: _Relay,
+    rid: str,
+    chat: bool,
+    opts: StreamOptions | None,
+    finish,
 ) -> AsyncIterator[str]:
     created, obj = now(), "chat.completion.chunk" if chat else "text_completion"
+    seqs = [c.seq for c in choices.values()]
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)  # as vLLM: both must be set
+    offsets = dict.fromkeys(choices, 0)  # characters streamed per choice (completions' text_offset)
 
-    def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+    def chunk(c: _Choice, text: str | None, finish_reason: str | None, event: StreamEvent | None = None) -> dict:
+        lps = None
+        if event is not None and event.logprobs and c.seq.params.logprobs is not None:
+            if chat:
+                lps = _chat_logprobs(state, event.logprobs)
+            else:
+                lps = _completion_logprobs(state, event.logprobs, offsets[c.seq.request_id])
         if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            delta = {"role": "assistant", "content": ""} if event is None and finish_reason is None else {}
+            if text:
+                delta = {"content": text}
+            item = {"index": c.index, "delta": delta, "finish_reason": finish_reason, "logprobs": lps}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-        return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+            item = {"index": c.index, "text": text or "", "finish_reason": finish_reason, "logprobs": lps}
+        out = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [item]}
+        if continuous:
+            out["usage"] = _usage(seqs, sum(x.tokens for x in choices.values()))
+        return out
 
     done = False
     try:
         if chat:
-            yield sse(chunk(None, None, first=True))
-        while True:
+            for c in choices.values():
+                yield sse(chunk(c, None, None))
+        while any(c.result is None for c in choices.values()):
             at, event = await relay.queue.get()
             if isinstance(event, BaseException):
                 yield sse(error_body(f"the engine failed while generating ({type(event).__name__})", "server_error"))
-                done = True
                 break
-            observe(at, event)
+            c = choices[event.request_id]
+            c.observe(at, event)
             if event.result is None:
-                if event.text:
-                    yield sse(chunk(event.text, None))
+                if event.text or (event.logprobs and c.seq.params.logprobs is not None):
+                    yield sse(chunk(c, event.text, None, event))
+                    offsets[c.seq.request_id] += len(event.text)
                 continue
-            result = event.result
-            finish(result, at)
-            last = chunk(event.text or None, result.finish_reason)
-            last["speculative"] = _spec_usage(seq, result)  # specwise's per-request statistics
+            finish(c, event.result, at)
+            last = chunk(c, event.text or None, event.result.finish_reason, event)
+            last["speculative"] = _spec_usage([c.seq])  # specwise's per-sequence statistics
             yield sse(last)
+        else:
             if include_usage:
+                usage = _usage(seqs, sum(len(c.result.token_ids) for c in choices.values() if c.result is not None))
                 yield sse(
                     {
                         "id": rid,
@@ -481,12 +608,11 @@ async def _stream(
                         "created": created,
                         "model": state.model_name,
                         "choices": [],
-                        "usage": _usage(seq, result),
+                        "usage": {**usage, "speculative": _spec_usage(seqs)},
                     }
                 )
             yield "data: [DONE]\n\n"
-            done = True
-            break
+        done = True
     finally:
-        if not done:  # the client went away mid-stream: free its batch slot now
-            state.scheduler.cancel(seq.request_id)
+        if not done:  # the client went away mid-stream: free its batch slots now
+            _take_back(state, seqs)

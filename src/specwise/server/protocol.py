@@ -1,8 +1,9 @@
 """The OpenAI wire format: request bodies (checked field by field), responses, stream chunks and errors.
 
 Unknown fields are refused, as OpenAI does, so a typo is not silently ignored. Features specwise does not implement
-(n > 1, logprobs, echo, penalties, tools) are refused with a message that says so, never ignored. The optional
-`speculative` object and `top_k` / `ignore_eos` are specwise's extensions (the last two as in vLLM).
+(echo, best_of, tools, logprobs of the prompt) are refused with a message that says so, never ignored. The optional
+`speculative` object is specwise's extension; `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty` and
+`stream_options.continuous_usage_stats` are vLLM's, which load-testing clients (GuideLLM, `vllm bench serve`) send.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specwise.specs import K_MAX
 
 MAX_STOP = 4
+MAX_N = 16  # choices of one request (n), and prompts × n of one completions request
+MAX_TOP_LOGPROBS = 20
+VERIFY = Literal["coupled", "rejection"]
 
 
 class ProtocolError(Exception):
@@ -55,29 +59,33 @@ class SpeculativeOptions(Strict):
     drafter: str | None = None
     k: Annotated[int, Field(ge=1, le=K_MAX)] | Literal["auto"] | None = None
     history: bool | None = None  # false: neither draft from nor add to the server's cross-request history (suffix)
+    verify: VERIFY | None = None  # how sampled drafts are verified (the server's --verify when absent)
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (tokens so far) on every chunk
 
 
 class SamplingFields(Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    n: Annotated[int, Field(ge=1)] = 1
-    stream: bool = False
+    model: str | None = None  # as vLLM: absent means the one model this server serves
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = 0  # vLLM: -1 or 0 = off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)] | None = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     speculative: SpeculativeOptions | None = None
 
     @field_validator("stop")
@@ -90,40 +98,54 @@ class SamplingFields(Strict):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.n != 1:
-            raise ValueError("n must be 1: specwise returns one choice per request")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for key in v:
+            if not key.strip().isdigit():
+                raise ValueError(f'logit_bias keys are token ids (strings of digits such as "50256"), got {key!r}')
+        return v
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def choices(self) -> int:
+        return self.n or 1
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), b) for k, b in (self.logit_bias or {}).items()))
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     suffix: Annotated[str, Field(max_length=0)] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError(
-                    "give one prompt (a string, or a list holding one string): batched prompts are not supported"
-                )
-            v = v[0]
-        if not v:
-            raise ValueError("the prompt is empty")
+    def _prompt(cls, v, info: ValidationInfo):
+        prompts = [v] if isinstance(v, str) else v
+        if not prompts:
+            raise ValueError("the prompt list is empty: give at least one prompt")
+        if any(not p for p in prompts):
+            raise ValueError("the prompt is empty" if isinstance(v, str) else "a prompt in the list is empty")
+        n = info.data.get("n") or 1
+        if len(prompts) * n > MAX_N:
+            raise ValueError(
+                f"{len(prompts)} prompts × n={n} is more than the {MAX_N} sequences one request may ask for: split it"
+            )
         return v
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
@@ -151,11 +173,21 @@ class ChatRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def pydantic_error(errors: list[dict]) -> ProtocolError:

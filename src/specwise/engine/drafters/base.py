@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from specwise.engine.noise import Noise
 from specwise.engine.sampling import SamplingParams
 
 
@@ -19,8 +20,10 @@ class SequenceView(Protocol):
 
     slot: int  # cache row of this sequence
     token_ids: list[int]  # prompt + committed output; the last one is not yet in the target's cache
+    prompt_len: int  # token_ids[prompt_len:] is the output so far
     params: SamplingParams
-    generator: torch.Generator
+    noise: Noise  # the request's counter-based random numbers, keyed by output position
+    verify: str  # "coupled": draw with the target's Gumbel noise; "rejection": with the drafter's own uniforms
 
 
 @dataclass

@@ -12,7 +12,8 @@ import torch
 
 from specwise.engine.cache import CausalLM
 from specwise.engine.drafters.base import Draft, SequenceView
-from specwise.engine.sampling import greedy, probs_from_logits, sample
+from specwise.engine.noise import DRAFT
+from specwise.engine.sampling import draw, greedy, gumbel_argmax, probs_from_logits
 
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
@@ -70,11 +71,17 @@ class ModelDrafter:
             torch.tensor(last),
         )
 
-    def _choose(self, seq: SequenceView, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _choose(self, seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, torch.Tensor | None]:
+        """The next draft token and the distribution q it was drawn from: with the target's Gumbel noise for that
+        output position under coupled verification (so it agrees with the target's draw as often as q allows),
+        with the drafter's own counter-based uniform under rejection sampling."""
         if seq.params.greedy:
             return greedy(logits)[0], None
-        probs = probs_from_logits(logits[None], seq.params)  # (1, V)
-        return int(sample(probs, seq.generator)), probs[0]
+        probs = probs_from_logits(logits[None], seq.params)[0]  # (V,)
+        position = len(seq.token_ids) - seq.prompt_len + drafted
+        if seq.verify == "coupled":
+            return gumbel_argmax(torch.log(probs), seq.noise.gumbel(position, probs.shape[-1], probs.device)), probs
+        return draw(probs, float(seq.noise.uniforms(position, DRAFT)[0])), probs
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
@@ -101,7 +108,7 @@ class ModelDrafter:
         # 2. Draft one token at a time for the rows that still want more.
         while True:
             for i in list(last_logits):
-                token, p = self._choose(seqs[i], last_logits[i])
+                token, p = self._choose(seqs[i], last_logits[i], len(drafts[i].tokens))
                 drafts[i].tokens.append(token)
                 if p is not None:
                     probs[i].append(p)
