@@ -281,7 +281,12 @@ def test_evaluate_quick_on_the_embedded_model(tmp_path):
     assert Path(run.provenance["target"]["path"]).suffix == ".gguf"
 
 
-def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
+@pytest.mark.parametrize("verify", ["coupled", "rejection"])
+def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path, verify):
+    """A sampled run's audit: with coupled verification each seeded speculative output is paired with the
+    baseline's token for token, as greedy runs are; with rejection sampling only the distributions can be."""
+    from specwise.harness.analyze import COUPLED_EVIDENCE, DISTRIBUTION_EVIDENCE, analyze, read_run
+
     cli(
         "evaluate",
         "--model",
@@ -294,6 +299,8 @@ def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
         16,
         "--temperature",
         "0.8",
+        "--verify",
+        verify,
         "--out",
         tmp_path,
         "--no-progress",
@@ -301,8 +308,24 @@ def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path):
     run = load_run(tmp_path / "run.db")
     assert {r.load for r in run.records} == {"poisson@4"} and len(run.records) == 8
     comp = run.analysis.comparisons
-    assert comp and all(c.output_length_ks is not None and c.mismatches == [] for c in comp)
+    assert comp and all(c.mismatches == [] for c in comp)
     assert "rate" in " ".join(cl.text for v in run.analysis.verdicts["ngram k=auto"].values() for cl in v.clauses)
+    if verify == "rejection":
+        assert all(c.output_length_ks is not None and c.evidence == DISTRIBUTION_EVIDENCE for c in comp)
+        return
+    assert all(c.output_length_ks is None and c.evidence == COUPLED_EVIDENCE for c in comp)
+    # The token-exact audit has teeth: one speculative output changed in the file is caught and rejects.
+    db = sqlite3.connect(tmp_path / "run.db")
+    with db:
+        db.execute(
+            "UPDATE requests SET output = output || 'x' WHERE config = 'ngram k=auto' AND task_id = ?",
+            (run.records[0].task_id,),
+        )
+    db.close()
+    tampered = analyze(read_run(tmp_path / "run.db"))
+    assert {t for c in tampered.comparisons for t in c.mismatches} == {run.records[0].task_id}  # in each of its groups
+    verdict = tampered.verdicts["ngram k=auto"]["poisson"]
+    assert verdict.decision == "reject" and "seeded output(s) differ" in " ".join(c.text for c in verdict.clauses)
 
 
 def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):

@@ -15,7 +15,7 @@ from specwise.errors import SpecwiseError
 
 if TYPE_CHECKING:
     from specwise.engine import GenerationResult
-from specwise.specs import DTYPES, EXPORT_FORMATS, K_MAX, QUANTIZE, parse_k
+from specwise.specs import DTYPES, EXPORT_FORMATS, K_MAX, QUANTIZE, VERIFY_HELP, VERIFY_METHODS, parse_k
 
 DTYPE_HELP = (
     "weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--repeats", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
     ev.add_argument("--max-tokens", type=int, default=None, help="cap every task's output limit")
     ev.add_argument("--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2")
     ev.add_argument(
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="enable the admin API (GET/PUT /admin/policy: change the policy at run time) with this key of its own "
         "(default $SPECWISE_ADMIN_KEY; off when unset)",
     )
+    srv.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
     srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
     srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
@@ -256,7 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise SpecwiseError("the prompt is empty: give at least one character of text")
     target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
-    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1)
+    engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1, verify=args.verify)
     use_chat = not args.raw and target.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
     if args.json:

@@ -4,6 +4,7 @@ kept in one torch-free place so each rule is stated once.
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
 - drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES) and ``--quantize`` (QUANTIZE)
+- verification of sampled drafts: ``--verify`` (VERIFY_METHODS; the first is the default)
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types,
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
 DRAFTER_KINDS = ("ngram", "suffix", "model", "int8", "layerskip")
 EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
+VERIFY_METHODS = ("coupled", "rejection")  # how sampled drafts are verified (engine/verify.py)
+VERIFY_HELP = (
+    "how sampled drafts are verified: coupled (default; Gumbel-max with per-position noise: a seeded output equals "
+    "plain decoding's token for token, whatever the drafter or k) or rejection (classic speculative sampling)"
+)
 DRAFTER_HELP = (
     "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
 )
@@ -71,3 +77,14 @@ def check_drafter_spec(spec: object) -> str:
         what = f"drafter {spec!r} is not allowed: {hint}" if hint else f"unknown drafter {spec!r}"
         raise SpecwiseError(f"{what} (allowed: {DRAFTER_HELP})", param="drafter")
     return str(spec)
+
+
+def check_verify(method: object) -> str:
+    """A verification method name, or a SpecwiseError naming the allowed ones."""
+    if method not in VERIFY_METHODS:
+        raise SpecwiseError(
+            f"verify={method!r} is not allowed: use {' or '.join(VERIFY_METHODS)} (coupled: a seeded output equals "
+            "plain decoding's token for token; rejection: classic speculative sampling)",
+            param="verify",
+        )
+    return str(method)

@@ -33,26 +33,14 @@ from specwise.engine.stats import RequestStats
 from specwise.engine.verify import Verdict, coupled_verify, greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, check_k_max, parse_k
+from specwise.specs import K_MAX, VERIFY_METHODS, check_k_max, check_verify, parse_k
 
 DEFAULT_MAX_LEN = 2048
 PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
 PREFILL_IDLE = 1024  # prompt tokens a pass takes when nothing else is running
 PAD_MARGIN = 2 * K_MAX + 2  # cache positions past max_len that padded rows of a batch may write to
-VERIFY_METHODS = ("coupled", "rejection")  # how a sampled draft is verified (verify.py); the first is the default
 Prompt = str | list[dict]
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, its logprob, the top alternatives
-
-
-def check_verify(method: str) -> str:
-    """A verification method name, or a SpecwiseError naming the allowed ones."""
-    if method not in VERIFY_METHODS:
-        raise SpecwiseError(
-            f"verify={method!r} is not allowed: use {' or '.join(VERIFY_METHODS)} (coupled: a seeded output equals "
-            "plain decoding's token for token; rejection: classic speculative sampling)",
-            param="verify",
-        )
-    return method
 
 
 @dataclass

@@ -119,7 +119,13 @@ def analyze(run: Run) -> Analysis:
                 row_stats(c, ld.name, g, by[(c, ld.name, g)], phase) for g in sorted(groups) if by.get((c, ld.name, g))
             ]
     ref = reference_load(plan.loads)
-    determinism = baseline_determinism(run.records, baseline, [ld.name for ld in plan.loads], ref) if greedy else []
+    base_recs = [r for r in run.records if r.config == baseline]
+    exact = greedy or coupled(base_recs)  # token-exact evidence for the baseline's own outputs
+    determinism = (
+        baseline_determinism(run.records, baseline, [ld.name for ld in plan.loads], ref, repeats=greedy)
+        if exact
+        else []
+    )
     comparisons, verdicts = [], {}
     for s in specs:
         cells_by_kind: dict[str, list[Cell]] = defaultdict(list)
@@ -156,6 +162,7 @@ def analyze(run: Run) -> Analysis:
                         length_p=comp.output_length_ks["p"] if comp.output_length_ks else None,
                         stall_ratio=(sr.value, sr.lo, sr.hi) if (sr := comp.stall_ratio) else None,
                         stall_spec=comp.stall_spec,
+                        outputs="greedy" if comp.evidence == GREEDY_EVIDENCE else "seeded",
                     )
                 )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}
@@ -229,15 +236,31 @@ def _repeat_changes(outputs: dict[tuple[str, int], str | None]) -> tuple[int, li
     return len(pairs), [t for t, out in pairs if out != outputs[(t, 0)]]
 
 
-def baseline_determinism(records: list[Record], baseline: str, loads: list[str], ref: str | None) -> list[Determinism]:
-    """The baseline's greedy outputs at each load against the reference load, and across repeats at each load."""
+def coupled(records: list[Record]) -> bool:
+    """Whether these sampled outputs are reproducible token for token: every one came from a server that reports
+    coupled verification (specwise: a seeded output is plain decoding's, whatever was drafted), with a seed."""
+    return bool(records) and all(
+        r.seed is not None and (r.spec or {}).get("verify") == "coupled" for r in records if r.error is None
+    )
+
+
+GREEDY_EVIDENCE = "greedy outputs, token for token"
+COUPLED_EVIDENCE = "seeded sampled outputs, token for token (coupled verification)"
+DISTRIBUTION_EVIDENCE = "output-length distributions (KS test): sampled outputs cannot be paired token for token"
+
+
+def baseline_determinism(
+    records: list[Record], baseline: str, loads: list[str], ref: str | None, repeats: bool = True
+) -> list[Determinism]:
+    """The baseline's outputs at each load against the reference load, and (greedy: a repeat asks the same) across
+    repeats at each load; a sampled run's repeats have seeds of their own, so only loads are compared."""
     if ref is None:
         return []
     at = {ld: _outputs([r for r in records if r.config == baseline and r.load == ld]) for ld in loads}
     out = []
     for ld in loads:
         common = sorted(at[ld].keys() & at[ref].keys())
-        n_rep, rep_changed = _repeat_changes(at[ld])
+        n_rep, rep_changed = _repeat_changes(at[ld]) if repeats else (0, [])
         changed = [t for t, rep in common if at[ld][(t, rep)] != at[ref][(t, rep)]]
         out.append(Determinism(ld, ref, len(common), changed, n_rep, rep_changed))
     return out
@@ -265,7 +288,9 @@ def _compare(
         return None
     dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
     same, vs_ref, both, changed = [], [], [], 0
-    if greedy:
+    exact = greedy or (coupled(base_recs) and coupled(spec_recs) and coupled(ref_recs or base_recs))
+    evidence = GREEDY_EVIDENCE if greedy else COUPLED_EVIDENCE if exact else DISTRIBUTION_EVIDENCE
+    if exact:
         # Fair losslessness: the speculative output is paired with the baseline at this load and at the reference
         # load; only an output that differs from both is unexplained by what batching does to the baseline itself.
         reference = _outputs(ref_recs or []) if ref and ref != load else _outputs(base_recs)
@@ -276,11 +301,10 @@ def _compare(
             vs_ref += [b.task_id] if x.output != r else []
             both += [b.task_id] if x.output != b.output and x.output != r else []
             changed += b.output != r
-        changed += len(_repeat_changes(_outputs(base_recs))[1])
-    # Sampled runs cannot match token for token: compare the distributions instead.
-    lengths = (
-        None if greedy else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
-    )
+        if greedy:  # a sampled run's repeats have their own seeds: they are not expected to repeat an output
+            changed += len(_repeat_changes(_outputs(base_recs))[1])
+    # Sampled outputs without coupled verification cannot match token for token: compare distributions instead.
+    lengths = None if exact else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
     stalls = [(b, x) for b, x in ((_stream(b), _stream(x)) for b, x in pairs) if b and x and b[2] and x[2]]
     stall_ratio = (
         speedup_ci([float(x[2] or 0) for _, x in stalls], [float(b[2] or 0) for b, _ in stalls])
@@ -310,6 +334,7 @@ def _compare(
         changed,
         stall_ratio,
         sstats.stream.longest_stall.p50 if sstats.stream else None,
+        evidence,
     )
 
 

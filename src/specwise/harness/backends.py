@@ -194,6 +194,7 @@ class EngineBackend:
         temperature: float = 0.0,
         dtype: str = "auto",
         quantize: str | None = None,
+        verify: str = "coupled",
     ):
         from specwise.engine import Engine, load_target
 
@@ -201,7 +202,8 @@ class EngineBackend:
         self.temperature = temperature
         self._facts: dict[str, dict] = {}
         self.engines = {
-            c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len) for c in configs
+            c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len, verify=verify)
+            for c in configs
         }
 
     def info(self) -> dict:
@@ -286,7 +288,7 @@ class EngineBackend:
                     chunks.append((t, len(event.text)))
                 if event.result is not None:
                     del live[event.request_id]
-                    done.append(_record(config, load, req, t_submit, t, chunks, event.result))
+                    done.append(_record(config, load, req, t_submit, t, chunks, event.result, engine.verify))
             return done
 
         return Phase(dispatch(load, requests, submit, poll, on_record, progress))
@@ -295,7 +297,9 @@ class EngineBackend:
         """Nothing to release: the engines go with the backend."""
 
 
-def _record(config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list, result) -> Record:
+def _record(
+    config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list, result, verify: str
+) -> Record:
     s = result.stats
     times = [t for t, _ in chunks]
     return Record(
@@ -317,5 +321,5 @@ def _record(config: str, load: Load, req: Request, submitted: float, finished: f
         e2e=finished - submitted,
         prefill=s.prefill_time,
         decode=s.decode_time,
-        spec=s.counts().to_dict(),
+        spec={**s.counts().to_dict(), "verify": verify},  # "coupled": a seeded output is plain decoding's
     )

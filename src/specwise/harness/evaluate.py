@@ -218,6 +218,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         args.temperature,
         target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(),
         cap,
+        args.verify,
     )
     out = Path(args.out)
     check_output_dir(out)
@@ -249,6 +250,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             dtype=args.dtype,
             quantize=args.quantize,
+            verify=args.verify,
         )
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)

@@ -279,6 +279,8 @@ class HTTPBackend:
         rec.chunks = [[t - t0, n] for t, n in out["rendered"]]
         if out["spec"] is not None:
             rec.spec = out["spec"].to_dict()
+        if out["verify"] is not None:  # only a specwise server says; the audit then knows its evidence
+            rec.spec = {**rec.spec, "verify": out["verify"]}
         return rec
 
     def _one(self, config: str, req: Request, t0: float) -> dict:
@@ -298,7 +300,7 @@ class HTTPBackend:
         text: list[str] = []
         chunks: list[float] = []
         rendered: list[tuple[float, int]] = []  # arrival time and characters of each piece of text
-        finish, usage, spec, prefill = None, None, None, None
+        finish, usage, spec, prefill, verify = None, None, None, None, None
         try:
             with self.client.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
@@ -321,6 +323,7 @@ class HTTPBackend:
                         spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats)
                         own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
                         prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
+                        verify = own.get("verify", verify)  # specwise: how sampled drafts were verified
                     for choice in obj.get("choices") or []:
                         piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                         if piece:
@@ -337,6 +340,7 @@ class HTTPBackend:
             "usage": usage,
             "spec": spec,
             "prefill": prefill,
+            "verify": verify,
             "rendered": rendered,
             "finished": time.perf_counter(),
         }

@@ -79,13 +79,14 @@ def console_summary(run: Run) -> str:
             f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
             f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}"
         )
+    evidence = sorted({c.evidence for c in a.comparisons if c.evidence})
+    if evidence:
+        lines.append(f"losslessness audit compared: {'; '.join(evidence)}")
     lines += _best_k_lines(a)
     findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
     if findings:
         lines.append("")
-        lines.append(
-            "baseline determinism (greedy outputs against the baseline's own; mismatch counts only outputs that"
-        )
+        lines.append("baseline determinism (outputs against the baseline's own; mismatch counts only outputs that")
         lines.append("differ from the baseline both at their load and at the reference load)")
         lines += [f"  {t}" for t in findings]
     lines.append("")
@@ -193,11 +194,14 @@ def html_report(run: Run) -> str:
     prov = run.provenance
     figs = "".join(f'<figure data-plot="{name}">{svg}</figure>' for name, svg in plots(run).items())
     findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
+    evidence = sorted({c.evidence for c in a.comparisons if c.evidence})
     determinism = (
         "<h2>Baseline determinism</h2><ul>" + "".join(f"<li>{escape(t)}</li>" for t in findings) + "</ul>"
         if findings
         else ""
     )
+    if evidence:
+        determinism = f"<p class=evidence>Losslessness audit compared: {escape('; '.join(evidence))}</p>" + determinism
     best_k = ""
     if a.best_k:
         rows_k = "".join(

@@ -118,6 +118,7 @@ class Comparison:
     baseline_changed: int = 0  # outputs the baseline itself changed here (against the reference, or across repeats)
     stall_ratio: Interval | None = None  # speculative / baseline longest stall per request, paired, with its CI
     stall_spec: float | None = None  # median longest stall of the speculative streams, seconds
+    evidence: str = ""  # what the losslessness audit compared: greedy or seeded tokens, or length distributions
 
 
 @dataclass

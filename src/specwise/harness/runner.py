@@ -34,6 +34,7 @@ class Plan:
     temperature: float = 0.0
     model: str | None = None
     max_tokens_cap: int | None = None  # --quick trims every task's output limit
+    verify: str = "coupled"  # in-process engines: how sampled drafts are verified (greedy runs: no difference)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.configs]
@@ -63,6 +64,7 @@ class Plan:
             "seed": self.seed,
             "temperature": self.temperature,
             "model": self.model,
+            **({"verify": self.verify} if self.temperature > 0 else {}),  # greedy plans keep their old fingerprint
         }
 
     def fingerprint(self) -> str:

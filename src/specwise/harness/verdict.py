@@ -39,6 +39,7 @@ class Cell:
     mismatches: int = 0  # greedy outputs that differ from every baseline output of their task here
     baseline_changed: int = 0  # greedy outputs the baseline itself changed here (batching, repeats)
     length_p: float | None = None  # sampled runs: KS p-value that output lengths share one distribution
+    outputs: str = "greedy"  # which outputs `mismatches` counts: "greedy", or "seeded" (coupled verification)
     stall_ratio: tuple[float, float, float] | None = None  # speculative / baseline longest stall: (value, lo, hi)
     stall_spec: float | None = None  # the speculative streams' median longest stall, seconds
 
@@ -117,13 +118,15 @@ def decide(
             safe = False
         if c.mismatches > c.baseline_changed:
             detail = f" (the baseline itself changed {c.baseline_changed} here)" if c.baseline_changed else ""
-            clauses.append(Clause(False, f"{where}: {c.mismatches} greedy output(s) differ from the baseline{detail}"))
+            clauses.append(
+                Clause(False, f"{where}: {c.mismatches} {c.outputs} output(s) differ from the baseline{detail}")
+            )
             safe = False
         elif c.mismatches:
             clauses.append(
                 Clause(
                     True,
-                    f"{where}: {c.mismatches} greedy output(s) differ from the baseline, no more "
+                    f"{where}: {c.mismatches} {c.outputs} output(s) differ from the baseline, no more "
                     f"than the baseline changes its own outputs here ({c.baseline_changed}), so batching could "
                     "explain them: not counted as evidence against speculation",
                 )
@@ -132,7 +135,8 @@ def decide(
             clauses.append(Clause(False, f"{where}: output lengths differ in distribution (KS p={c.length_p:.3g})"))
             safe = False
     if safe:
-        clauses.append(Clause(True, "validation, errors and greedy outputs: no loss in any group at any load"))
+        outputs = "greedy outputs" if all(c.outputs == "greedy" for c in cells) else "outputs"
+        clauses.append(Clause(True, f"validation, errors and {outputs}: no loss in any group at any load"))
     for c in sorted(cells, key=lambda c: (c.group, c.load)):
         noticeable = c.stall_spec is not None and c.stall_spec >= NOTICEABLE_STALL
         if c.stall_ratio is not None and c.stall_ratio[1] > BURSTY and noticeable:

@@ -83,6 +83,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_len=args.max_len,
         prefill_chunk=args.prefill_chunk,
+        verify=args.verify,
     )
     for spec in drafters:
         engine.add_drafter(spec)

@@ -19,7 +19,7 @@ from specwise.specs import K_MAX
 MAX_STOP = 4
 MAX_N = 16  # choices of one request (n), and prompts × n of one completions request
 MAX_TOP_LOGPROBS = 20
-VERIFY = Literal["coupled", "rejection"]
+VERIFY = Literal["coupled", "rejection"]  # specs.VERIFY_METHODS (a test keeps them equal)
 
 
 class ProtocolError(Exception):
