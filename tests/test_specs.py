@@ -62,3 +62,12 @@ def test_protocol_and_cli_use_the_same_limit():
         SpeculativeOptions(k=K_MAX + 1)
     with pytest.raises(argparse.ArgumentTypeError):
         _k(str(K_MAX + 1))
+
+
+def test_the_protocols_verify_methods_are_the_specs():
+    from typing import get_args
+
+    from specwise.server.protocol import VERIFY
+    from specwise.specs import VERIFY_METHODS
+
+    assert get_args(VERIFY) == VERIFY_METHODS
