@@ -242,6 +242,8 @@ def bad_workload(tmp_path, text):
         (lambda t: ["--rate", "-1"], "--rate '-1' is not allowed"),
         (lambda t: ["--out", "/proc/specwise-cannot-write-here"], "not writable"),
         (lambda t: ["--tasks", "-3"], "--tasks -3"),
+        (lambda t: ["--verify", "exact"], "invalid choice: 'exact'"),
+        (lambda t: ["--endpoint", "http://127.0.0.1:9", "--verify", "rejection"], "serve --verify"),
     ],
 )
 def test_bad_evaluate_input_is_refused_before_measuring(tmp_path, make_args, needle):

@@ -185,7 +185,16 @@ def test_the_request_shapes_of_guidellm_and_vllm_bench_serve(live):
         assert r.status_code == 200, r.read()
         last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]
     assert last["usage"]["completion_tokens"] == 9
-    bench = {"prompt": "x y z", "max_tokens": 7, "ignore_eos": True, "logprobs": None, "stream": False, "top_k": -1}
+    bench = {  # vllm bench serve's completions body (its backend_request_func), here without streaming
+        "prompt": "x y z",
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 7,
+        "logprobs": None,
+        "ignore_eos": True,
+        "stream": False,
+        "top_k": -1,
+    }
     r = httpx.post(live.url + "/v1/completions", json=bench, timeout=60)  # vllm bench serve: no "model" needed
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 7

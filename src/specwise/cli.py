@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--repeats", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
+    ev.add_argument(
+        "--verify",
+        default=None,
+        choices=VERIFY_METHODS,
+        help=VERIFY_HELP + "; in-process engines only (a specwise server under --endpoint takes `serve --verify`)",
+    )
     ev.add_argument("--max-tokens", type=int, default=None, help="cap every task's output limit")
     ev.add_argument("--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2")
     ev.add_argument(

@@ -23,7 +23,7 @@ from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
-from specwise.specs import check_drafter_spec, parse_k
+from specwise.specs import VERIFY_METHODS, check_drafter_spec, parse_k
 
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
 
@@ -197,6 +197,12 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
     if args.temperature < 0:
         raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
+    if args.endpoint and args.verify:
+        raise SpecwiseError(
+            "--verify chooses how in-process engines verify sampled drafts; a server under --endpoint verifies as it "
+            "was started (specwise: `serve --verify`, in the --launch command), and the audit reads what it reports"
+        )
+    verify = args.verify or VERIFY_METHODS[0]
     target = args.model
     if not args.endpoint and (args.dtype != "auto" or args.quantize):  # another precision is another target
         target = " ".join(
@@ -218,7 +224,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         args.temperature,
         target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(),
         cap,
-        args.verify,
+        verify,
     )
     out = Path(args.out)
     check_output_dir(out)
@@ -250,7 +256,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             dtype=args.dtype,
             quantize=args.quantize,
-            verify=args.verify,
+            verify=verify,
         )
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
