@@ -136,11 +136,13 @@ def test_adjust_applies_each_rows_own_prefix():
     """Row j of a verification pass is penalised with the output plus draft[:j], as plain decoding at that position."""
     logits = torch.zeros(3, 6)
     sp = SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5)
-    out = adjust(logits, sp, prompt=[0], output=[1, 1], draft=[2, 2])
+    out = torch.from_numpy(adjust(logits, sp, prompt=[0], output=[1, 1], draft=[2, 2]))
     assert out[0].tolist() == [0, -2.5, 0, 0, 0, 0]
     assert out[1].tolist() == [0, -2.5, -1.5, 0, 0, 0]
     assert out[2].tolist() == [0, -2.5, -2.5, 0, 0, 0]
-    rep = adjust(torch.tensor([[2.0, -2.0, 2.0, 1.0]]), SamplingParams(repetition_penalty=2.0), [0], [1])
+    rep = torch.from_numpy(
+        adjust(torch.tensor([[2.0, -2.0, 2.0, 1.0]]), SamplingParams(repetition_penalty=2.0), [0], [1])
+    )
     assert rep[0].tolist() == [1.0, -4.0, 2.0, 1.0]  # prompt and output tokens: positive halved, negative doubled
     eos = adjust(torch.zeros(3, 4), SamplingParams(min_tokens=3), [], [7, 7], draft=[1, 1], eos=[3])
     assert eos[0, 3] == float("-inf") and eos[1, 3] == 0.0  # the third output token may be EOS, not the second
@@ -197,7 +199,7 @@ def test_logprobs_are_the_processed_target_distribution_at_each_token(tiny, temp
         expect = log_distribution(row, sp)[0]
         assert token == spec.token_ids[j]
         assert lp == pytest.approx(float(expect[token]), abs=1e-4)
-        assert [t for t, _ in top] == torch.topk(expect, 3).indices.tolist()
+        assert [t for t, _ in top] == torch.topk(torch.from_numpy(expect), 3).indices.tolist()
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     for (t1, lp1, _), (t2, lp2, _) in zip(spec.logprobs, plain.logprobs, strict=True):
         assert t1 == t2 and lp1 == pytest.approx(lp2, abs=1e-5)

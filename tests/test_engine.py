@@ -310,7 +310,7 @@ def test_distribution_check_catches_noise_not_keyed_by_position(small_dirs, monk
     from specwise.engine.noise import Noise
 
     real = Noise.gumbel
-    monkeypatch.setattr(Noise, "gumbel", lambda self, position, vocab, device=None: real(self, 0, vocab, device))
+    monkeypatch.setattr(Noise, "gumbel", lambda self, position, vocab: real(self, 0, vocab))
     target = load_target(small_dirs[0])
     engine = Engine(target, drafter="ngram", k=2, max_batch=16, verify="coupled")
     counts = sample_first_tokens(engine, "abcdabcdbadc", N_SAMPLES)

@@ -684,6 +684,50 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     assert "speculative" in proc.stdout
 
 
+def test_a_sampled_evaluation_of_launched_specwise_servers_is_audited_token_for_token(tiny_dir, tmp_path):
+    """Against specwise servers the audit of a sampled run reads the verification each server reports: coupled →
+    seeded outputs paired with the baseline's token for token (and equal); rejection → the KS test only."""
+    import sys
+
+    from test_evaluate import cli
+
+    from specwise.harness.analyze import COUPLED_EVIDENCE, DISTRIBUTION_EVIDENCE, load_run
+
+    port = free_port()
+    serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny"
+    cli(
+        "evaluate",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload_file(tmp_path),
+        "--launch",
+        f"baseline={serve} --policy never",
+        "--launch",
+        f"coupled={serve} --drafter ngram --k 3",
+        "--launch",
+        f"rejection={serve} --drafter ngram --k 3 --verify rejection",
+        "--concurrency",
+        "2",
+        "--temperature",
+        "0.9",
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    )
+    run = load_run(tmp_path / "out" / "run.db")
+    assert all(r.error is None for r in run.records)
+    comps = run.analysis.comparisons
+    assert {c.config for c in comps} == {"coupled", "rejection"}
+    for c in comps:
+        if c.config == "coupled":
+            assert c.evidence == COUPLED_EVIDENCE and c.mismatches == [] and c.output_length_ks is None
+        else:
+            assert c.evidence == DISTRIBUTION_EVIDENCE and c.output_length_ks is not None
+    outputs = {(r.config, r.task_id): r.output for r in run.records}
+    assert all(outputs[("coupled", t)] == outputs[("baseline", t)] for c, t in outputs if c == "baseline")
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

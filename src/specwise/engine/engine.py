@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Sequence_  # `Sequence` here is the engine's request state
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
@@ -469,26 +470,26 @@ class Engine:
         when the request asked for them. Penalties, bias and min_tokens are applied to each position with its own
         prefix first, so every method decides on the distribution plain decoding would have there."""
         params = seq.params
+        rows: torch.Tensor | np.ndarray = scores
         if params.adjusts:
-            scores = adjust(scores, params, seq.token_ids[: seq.prompt_len], seq.output_ids, draft.tokens, self._eos)
-        logd = None if params.greedy and params.logprobs is None else log_distribution(scores, params)
+            rows = adjust(scores, params, seq.token_ids[: seq.prompt_len], seq.output_ids, draft.tokens, self._eos)
+        logd = None if params.greedy and params.logprobs is None else log_distribution(rows, params)
         position = len(seq.output_ids)  # output index of the first row
         if params.greedy:
-            verdict = greedy_verify(draft.tokens, greedy(scores))
+            verdict = greedy_verify(draft.tokens, greedy(rows))
         else:
             assert logd is not None
             vocab = logd.shape[-1]
 
             def target_token(i: int) -> int:  # the Gumbel-max draw plain decoding makes at this row's position
-                return gumbel_argmax(logd[i], seq.noise.gumbel(position + i, vocab, logd.device))
+                return gumbel_argmax(logd[i], seq.noise.gumbel(position + i, vocab))
 
             if seq.verify == "coupled":
                 verdict = coupled_verify(draft.tokens, target_token)
             else:
-                probs = logd.exp()
                 k = len(draft.tokens)
                 verdict = rejection_verify(
-                    draft.tokens, draft.probs, probs, seq.noise, position, lambda: target_token(k)
+                    draft.tokens, draft.probs, np.exp(logd), seq.noise, position, lambda: target_token(k)
                 )
         if params.logprobs is None:
             return verdict, None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 
 GUMBEL, ACCEPT, RESIDUAL, BONUS, DRAFT = range(5)  # the `use` of a draw
 SEED_LIMIT = 2**63  # seeds are 0 ≤ seed < 2**63 (OpenAI's range is int64)
@@ -40,9 +39,9 @@ class Noise:
         """n uniforms in [0, 1) for (position, use), float64."""
         return self._rng(position, use).random(n)
 
-    def gumbel(self, position: int, vocab: int, device: torch.device | None = None) -> torch.Tensor:
-        """Standard Gumbel noise (vocab,) for the token at output `position`: the same vector every time it is
-        asked for, so a draft and its verification, or two runs with the same seed, see the same noise."""
+    def gumbel(self, position: int, vocab: int) -> np.ndarray:
+        """Standard Gumbel noise (vocab,) float32 for the token at output `position`: the same vector every time it
+        is asked for, so a draft and its verification, or two runs with the same seed, see the same noise."""
         g = self._gumbel.get(position)
         if g is None or g.shape[0] != vocab:
             u = self._rng(position, GUMBEL).random(vocab, dtype=np.float32)
@@ -51,5 +50,4 @@ class Noise:
             self._gumbel[position] = g
             if len(self._gumbel) > _KEEP:
                 del self._gumbel[min(self._gumbel)]
-        out = torch.from_numpy(g)
-        return out if device is None or device.type == "cpu" else out.to(device)
+        return g

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specwise.engine.noise import SEED_LIMIT
@@ -111,29 +112,35 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def host(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """fp32 numpy view (or copy) of logits or probabilities. The sampling arithmetic runs in numpy, single-threaded:
+    a torch op over a 49k vocabulary wakes torch's OpenMP threads, which then spin beside the kernels' own and slow
+    the next pass (measured: greedy verification passes 1.6× slower; sampled decoding ran at half greedy's speed)."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+    return x.detach().float().cpu().numpy()
+
+
 def adjust(
-    logits: torch.Tensor,
+    logits: torch.Tensor | np.ndarray,
     params: SamplingParams,
     prompt: Sequence[int],
     output: Sequence[int],
     draft: Sequence[int] = (),
     eos: Sequence[int] = (),
-) -> torch.Tensor:
+) -> np.ndarray:
     """(N, V) raw logits of N consecutive positions → the logits plain decoding would see there: row j follows
     `output` + draft[:j] (N ≤ len(draft) + 1). Order as vLLM: min_tokens mask, logit bias, repetition, frequency and
-    presence penalties. Returns fp32; the input is not modified."""
+    presence penalties. Returns a new fp32 array."""
+    out = np.array(host(logits), dtype=np.float32, copy=True)
     if not params.adjusts:
-        return logits.float()
-    out = logits.float().clone()
+        return out
     n, vocab = out.shape
-    dev = out.device
-    counts = torch.zeros(vocab, dtype=torch.float32, device=dev)
-    if output:
-        counts += torch.bincount(torch.tensor(list(output), device=dev), minlength=vocab)[:vocab].float()
-    seen_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float32)
+    seen_prompt = np.zeros(vocab, dtype=bool)
     if params.repetition_penalty != 1.0 and prompt:
-        seen_prompt[torch.tensor(list(prompt), device=dev)] = True
-    bias = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        seen_prompt[np.asarray(prompt, dtype=np.int64)] = True
+    bias = np.zeros(vocab, dtype=np.float32)
     for token, b in params.logit_bias:
         if token < vocab:
             bias[token] += b
@@ -143,70 +150,93 @@ def adjust(
         row = out[j]
         if params.min_tokens and len(output) + j < params.min_tokens and not params.ignore_eos:
             for e in eos:
-                row[e] = float("-inf")
+                row[e] = -np.inf
         if params.logit_bias:
             row += bias
         if params.repetition_penalty != 1.0:
             seen = seen_prompt | (counts > 0)
-            r = params.repetition_penalty
-            row[:] = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+            r = np.float32(params.repetition_penalty)
+            row[:] = np.where(seen, np.where(row > 0, row / r, row * r), row)
         if params.frequency_penalty or params.presence_penalty:
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+            row -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty) * (counts > 0)
     return out
 
 
-def log_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(N, V) adjusted logits → log of the distribution a token is drawn from: log-softmax of the logits when greedy,
-    of the temperature/top-k/top-p distribution when sampling (−inf outside its support). What `logprobs` report."""
-    if params.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log(probs_from_logits(logits, params))
-
-
-def gumbel_argmax(log_probs: torch.Tensor, noise: torch.Tensor) -> int:
-    """argmax(log π + G): an exact draw from π when G is standard Gumbel noise (the Gumbel-max trick)."""
-    return int(torch.argmax(log_probs + noise))
-
-
-def top_logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The chosen token's log probability in a (V,) log distribution and the n most likely tokens, most likely
-    first (a −inf one is left out: it could not have been chosen)."""
-    chosen = float(row[token])
-    if not n:
-        return chosen, []
-    values, ids = torch.topk(row, min(n, row.shape[-1]))
-    return chosen, [(int(i), float(v)) for v, i in zip(values, ids, strict=True) if math.isfinite(float(v))]
-
-
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def probabilities(logits: torch.Tensor | np.ndarray, params: SamplingParams) -> np.ndarray:
     """(N, V) logits → (N, V) fp32 probabilities after temperature, top-k and top-p (sampling only)."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (N, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    a = host(logits)
+    z = a.reshape(-1, a.shape[-1]) / np.float32(params.temperature)
+    vocab = z.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        kth = np.partition(z, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]
+        z = np.where(z < kth, np.float32(-np.inf), z)
+    z = z - z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        for row in probs:
+            _nucleus(row, params.top_p)
     return probs
 
 
-def greedy(logits: torch.Tensor) -> list[int]:
-    """Argmax of each row of (N, V) logits (first index on ties). On the CPU through numpy, single-threaded: a torch
-    reduction this size wakes torch's OpenMP threads, which then spin beside the kernels' own and slow the next
-    pass (measured: verification passes 1.6× slower)."""
-    if logits.device.type == "cpu":
-        return logits.reshape(-1, logits.shape[-1]).numpy().argmax(-1).tolist()
-    return logits.reshape(-1, logits.shape[-1]).argmax(-1).tolist()
+def _nucleus(p: np.ndarray, top_p: float, first: int = 1024) -> None:
+    """Keep (in place) the most likely tokens until the mass before a token reaches top_p; the first always stays.
+    Sorts only the `first` most likely tokens when they hold top_p of the mass (exact either way); ties by id."""
+    idx = np.argpartition(-p, min(first, p.shape[0]) - 1)[:first] if p.shape[0] > first else np.arange(p.shape[0])
+    if float(p[idx].sum(dtype=np.float64)) < top_p:
+        idx = np.arange(p.shape[0])
+    order = idx[np.lexsort((idx, -p[idx]))]
+    sorted_p = p[order].astype(np.float64)
+    keep = order[(np.cumsum(sorted_p) - sorted_p) < top_p]
+    kept = p[keep]
+    p[:] = 0.0
+    p[keep] = kept / kept.sum()
 
 
-def draw(probs: torch.Tensor, u: float) -> int:
+def log_distribution(logits: torch.Tensor | np.ndarray, params: SamplingParams) -> np.ndarray:
+    """(N, V) adjusted logits → log of the distribution a token is drawn from: log-softmax of the logits when greedy,
+    of the temperature/top-k/top-p distribution when sampling (−inf outside its support). What `logprobs` report."""
+    if params.greedy:
+        z = host(logits)
+        z = z - z.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    with np.errstate(divide="ignore"):
+        return np.log(probabilities(logits, params))
+
+
+def gumbel_argmax(log_probs: np.ndarray, noise: np.ndarray) -> int:
+    """argmax(log π + G): an exact draw from π when G is standard Gumbel noise (the Gumbel-max trick)."""
+    return int(np.argmax(log_probs + noise))
+
+
+def top_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log probability in a (V,) log distribution and the n most likely tokens, most likely
+    first (ties by id; a −inf one is left out: it could not have been chosen)."""
+    chosen = float(row[token])
+    if not n:
+        return chosen, []
+    n = min(n, row.shape[-1])
+    idx = np.argpartition(-row, n - 1)[:n]
+    idx = idx[np.lexsort((idx, -row[idx]))]
+    return chosen, [(int(i), float(row[i])) for i in idx if math.isfinite(float(row[i]))]
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`probabilities` as a torch tensor on the logits' device (a draft's q, kept beside its tokens)."""
+    return torch.from_numpy(probabilities(logits, params)).to(logits.device)
+
+
+def greedy(logits: torch.Tensor | np.ndarray) -> list[int]:
+    """Argmax of each row of (N, V) logits (first index on ties), in numpy on the host (see `host`)."""
+    if isinstance(logits, torch.Tensor) and logits.device.type != "cpu":
+        return logits.reshape(-1, logits.shape[-1]).argmax(-1).tolist()
+    a = host(logits)
+    return a.reshape(-1, a.shape[-1]).argmax(-1).tolist()
+
+
+def draw(probs: torch.Tensor | np.ndarray, u: float) -> int:
     """The token whose cumulative-probability interval holds u ∈ [0, 1) (inverse CDF) of a (V,) distribution: with
     u from a counter-based stream, an exact and reproducible draw."""
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    x = torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
-    return min(int(torch.searchsorted(cdf, x, right=True)), probs.shape[-1] - 1)  # first i with cdf[i] > x
+    p = host(probs)
+    cdf = np.cumsum(p, dtype=np.float64)
+    return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), p.shape[-1] - 1)  # first i with cdf[i] > x

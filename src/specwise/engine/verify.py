@@ -30,10 +30,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specwise.engine.noise import ACCEPT, RESIDUAL, Noise
-from specwise.engine.sampling import draw
+from specwise.engine.sampling import draw, host
 
 BONUS = "bonus"
 RECOVERED = "recovered"
@@ -70,7 +71,7 @@ def coupled_verify(draft: list[int], target_token: Callable[[int], int]) -> Verd
 def rejection_verify(
     draft: list[int],
     draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
+    target_probs: np.ndarray,
     noise: Noise,
     position: int,
     bonus_token: Callable[[], int],
@@ -79,15 +80,16 @@ def rejection_verify(
     is the output index of d1; `bonus_token()` draws from p(k+1) as plain decoding would at that position."""
     k = len(draft)
     assert target_probs.shape[0] == k + 1, "need one target distribution per draft token, plus one"
+    q_all = host(draft_probs) if draft_probs is not None else None
     for n, token in enumerate(draft):
         p = float(target_probs[n, token])
-        q = float(draft_probs[n, token]) if draft_probs is not None else 1.0
+        q = float(q_all[n, token]) if q_all is not None else 1.0
         if noise.uniforms(position + n, ACCEPT)[0] * q < p:  # accept dn iff u < p/q
             continue
-        residual = target_probs[n].clone()
-        if draft_probs is not None:
-            residual = torch.clamp(residual - draft_probs[n], min=0.0)
+        if q_all is not None:
+            residual = np.clip(target_probs[n] - q_all[n], 0.0, None)
         else:
+            residual = target_probs[n].copy()
             residual[token] = 0.0  # max(0, p − onehot(dn))
         # Only float error can empty the residual (p == q); then p itself is the right distribution.
         if not float(residual.sum()) > 0:

@@ -8,12 +8,13 @@ distribution of each (q for rejection sampling). A rejected token's cache entrie
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specwise.engine.cache import CausalLM
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.noise import DRAFT
-from specwise.engine.sampling import draw, greedy, gumbel_argmax, probs_from_logits
+from specwise.engine.sampling import draw, greedy, gumbel_argmax, host, probabilities
 
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
@@ -77,11 +78,14 @@ class ModelDrafter:
         with the drafter's own counter-based uniform under rejection sampling."""
         if seq.params.greedy:
             return greedy(logits)[0], None
-        probs = probs_from_logits(logits[None], seq.params)[0]  # (V,)
+        q = probabilities(logits[None], seq.params)[0]  # (V,), numpy on the host (sampling.host says why)
         position = len(seq.token_ids) - seq.prompt_len + drafted
         if seq.verify == "coupled":
-            return gumbel_argmax(torch.log(probs), seq.noise.gumbel(position, probs.shape[-1], probs.device)), probs
-        return draw(probs, float(seq.noise.uniforms(position, DRAFT)[0])), probs
+            with np.errstate(divide="ignore"):
+                token = gumbel_argmax(np.log(q), seq.noise.gumbel(position, q.shape[-1]))
+        else:
+            token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
+        return token, torch.from_numpy(q)
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
@@ -121,5 +125,5 @@ class ModelDrafter:
                 self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
         for i in active:
             if probs[i]:
-                drafts[i].probs = torch.stack(probs[i])  # (k, V)
+                drafts[i].probs = torch.from_numpy(np.stack([host(p) for p in probs[i]]))  # (k, V)
         return drafts
