@@ -330,6 +330,44 @@ def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path, verify):
     assert verdict.decision == "reject" and "seeded output(s) differ" in " ".join(c.text for c in verdict.clauses)
 
 
+def test_configurations_choose_their_verification_method(long_ctx_model, tmp_path):
+    """A sampled comparison of both methods in one run: each configuration's audit has the evidence its method
+    allows (coupled: token for token; rejection: distributions)."""
+    from specwise.harness.analyze import COUPLED_EVIDENCE, DISTRIBUTION_EVIDENCE
+
+    cfg = tmp_path / "configs.yaml"
+    cfg.write_text(
+        "configs:\n  - {name: base}\n  - {name: coupled, drafter: ngram, k: 3}\n"
+        "  - {name: rejection, drafter: ngram, k: 3, verify: rejection}\n"
+    )
+    cli(
+        "evaluate",
+        "--model",
+        long_ctx_model,
+        "--config",
+        cfg,
+        "--tasks",
+        4,
+        "--concurrency",
+        1,
+        "--max-tokens",
+        16,
+        "--temperature",
+        0.8,
+        "--out",
+        tmp_path / "out",
+        "--no-progress",
+    )
+    run = load_run(tmp_path / "out" / "run.db")
+    evidence = {c.config: c.evidence for c in run.analysis.comparisons}
+    assert evidence == {"coupled": COUPLED_EVIDENCE, "rejection": DISTRIBUTION_EVIDENCE}
+    assert {r.config: r.spec["verify"] for r in run.records} == {
+        "base": "coupled",
+        "coupled": "coupled",
+        "rejection": "rejection",
+    }
+
+
 def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
     cfg = tmp_path / "configs.yaml"
     cfg.write_text(
@@ -371,6 +409,7 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
         ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, request: 5}", "configs[1].request must be a mapping"),
         ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, k: 40}", "configs[1]: k=40 is not allowed"),
         ("configs:\n  - {name: a}\n  - {name: b, drafter: 'ngram:x'}", "ngram:N takes a whole number"),
+        ("configs:\n  - {name: a}\n  - {name: b, drafter: ngram, verify: exact}", "configs[1]: verify='exact'"),
     ],
 )
 def test_bad_configuration_files_are_refused(tmp_path, text, needle):

@@ -35,16 +35,19 @@ class Config:
     k: int | str = "auto"
     options: dict | None = None
     launch: str | None = None
+    verify: str | None = None  # in-process: this configuration's verification method (None: evaluate's --verify)
 
     def to_dict(self) -> dict:
         d: dict = {"name": self.name, "drafter": self.drafter, "k": self.k}
         if self.options is not None or self.launch is not None:
             d.update(options=self.options, launch=self.launch)
+        if self.verify is not None:  # absent otherwise, so earlier plans keep their fingerprint
+            d["verify"] = self.verify
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
-        return cls(d["name"], d.get("drafter"), d.get("k", "auto"), d.get("options"), d.get("launch"))
+        return cls(d["name"], d.get("drafter"), d.get("k", "auto"), d.get("options"), d.get("launch"), d.get("verify"))
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,9 @@ class EngineBackend:
         self.temperature = temperature
         self._facts: dict[str, dict] = {}
         self.engines = {
-            c.name: Engine(self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len, verify=verify)
+            c.name: Engine(
+                self.target, drafter=c.drafter, k=c.k, max_batch=max_batch, max_len=max_len, verify=c.verify or verify
+            )
             for c in configs
         }
 

@@ -23,9 +23,9 @@ from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
-from specwise.specs import VERIFY_METHODS, check_drafter_spec, parse_k
+from specwise.specs import VERIFY_METHODS, check_drafter_spec, check_verify, parse_k
 
-CONFIG_KEYS = {"name", "drafter", "k", "launch", "request"}
+CONFIG_KEYS = {"name", "drafter", "k", "launch", "request", "verify"}
 
 
 def stratified(workload: Workload, n: int) -> Workload:
@@ -71,8 +71,8 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) or set(c) - CONFIG_KEYS:
                 raise SpecwiseError(
                     f"{path}: configs[{i}] must be a mapping with 'name' and optionally "
-                    "'drafter', 'k', 'launch' (a server command), 'request' (extra request fields) "
-                    "— nothing else"
+                    "'drafter', 'k', 'verify' (coupled or rejection), 'launch' (a server command), 'request' (extra "
+                    "request fields) — nothing else"
                 )
             if c.get("launch") is not None and not (isinstance(c["launch"], str) and c["launch"].strip()):
                 raise SpecwiseError(f"{path}: configs[{i}].launch must be a command line (a non-empty string)")
@@ -81,7 +81,13 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             where = f"{path}: configs[{i}]"
             drafter = _check_drafter(c.get("drafter"), where) if not c.get("launch") else None
             k = _where(where, parse_k, c.get("k", "auto"))
-            out.append(Config(c["name"], drafter, k, c.get("request"), c.get("launch")))
+            verify = _where(where, check_verify, c["verify"]) if c.get("verify") is not None else None
+            if verify and getattr(args, "endpoint", None):
+                raise SpecwiseError(
+                    f"{where}: 'verify' sets an in-process engine's method; against a server give it in the request "
+                    "(specwise: request: {speculative: {verify: ...}}) or in its launch command (serve --verify)"
+                )
+            out.append(Config(c["name"], drafter, k, c.get("request"), c.get("launch"), verify))
         return out
     if getattr(args, "launch", None):
         if len(args.launch) < 2:
