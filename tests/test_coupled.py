@@ -4,12 +4,13 @@ target distribution per position (penalties, logit_bias, min_tokens) keep specul
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_engine import KS, PRECISIONS, PROMPTS, FrozenCosts, drafters
 
 from specwise.engine import Engine, SamplingParams, load_target
-from specwise.engine.sampling import adjust, log_distribution, probs_from_logits
+from specwise.engine.sampling import adjust, log_distribution, probabilities
 from specwise.errors import SpecwiseError
 
 SAMPLED = [
@@ -204,4 +205,4 @@ def test_logprobs_are_the_processed_target_distribution_at_each_token(tiny, temp
     for (t1, lp1, _), (t2, lp2, _) in zip(spec.logprobs, plain.logprobs, strict=True):
         assert t1 == t2 and lp1 == pytest.approx(lp2, abs=1e-5)
     if temperature:  # top-k cuts the support: a sampled token's probability is its share among the 20
-        assert math.isclose(float(probs_from_logits(logits[:1], sp).count_nonzero()), 20)
+        assert math.isclose(float(np.count_nonzero(probabilities(logits[:1], sp))), 20)

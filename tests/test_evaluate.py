@@ -335,30 +335,14 @@ def test_configurations_choose_their_verification_method(long_ctx_model, tmp_pat
     allows (coupled: token for token; rejection: distributions)."""
     from specwise.harness.analyze import COUPLED_EVIDENCE, DISTRIBUTION_EVIDENCE
 
-    cfg = tmp_path / "configs.yaml"
-    cfg.write_text(
-        "configs:\n  - {name: base}\n  - {name: coupled, drafter: ngram, k: 3}\n"
-        "  - {name: rejection, drafter: ngram, k: 3, verify: rejection}\n"
-    )
-    cli(
-        "evaluate",
-        "--model",
+    run = run_configs(
         long_ctx_model,
-        "--config",
-        cfg,
-        "--tasks",
-        4,
-        "--concurrency",
-        1,
-        "--max-tokens",
-        16,
+        tmp_path,
+        "configs:\n  - {name: base}\n  - {name: coupled, drafter: ngram, k: 3}\n"
+        "  - {name: rejection, drafter: ngram, k: 3, verify: rejection}\n",
         "--temperature",
         0.8,
-        "--out",
-        tmp_path / "out",
-        "--no-progress",
     )
-    run = load_run(tmp_path / "out" / "run.db")
     evidence = {c.config: c.evidence for c in run.analysis.comparisons}
     assert evidence == {"coupled": COUPLED_EVIDENCE, "rejection": DISTRIBUTION_EVIDENCE}
     assert {r.config: r.spec["verify"] for r in run.records} == {
@@ -368,16 +352,14 @@ def test_configurations_choose_their_verification_method(long_ctx_model, tmp_pat
     }
 
 
-def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
+def run_configs(model, tmp_path, configs: str, *extra):
+    """`evaluate --config` with `configs` (YAML text) on 4 tasks, concurrency 1, 16 tokens; the analysed run."""
     cfg = tmp_path / "configs.yaml"
-    cfg.write_text(
-        "configs:\n  - {name: base}\n  - {name: ngram-2, drafter: ngram, k: 2}\n"
-        "  - {name: skip, drafter: 'layerskip:1', k: auto}\n"
-    )
+    cfg.write_text(configs)
     cli(
         "evaluate",
         "--model",
-        long_ctx_model,
+        model,
         "--config",
         cfg,
         "--tasks",
@@ -386,11 +368,21 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
         1,
         "--max-tokens",
         16,
+        *extra,
         "--out",
         tmp_path / "out",
         "--no-progress",
     )
-    run = load_run(tmp_path / "out" / "run.db")
+    return load_run(tmp_path / "out" / "run.db")
+
+
+def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path):
+    run = run_configs(
+        long_ctx_model,
+        tmp_path,
+        "configs:\n  - {name: base}\n  - {name: ngram-2, drafter: ngram, k: 2}\n"
+        "  - {name: skip, drafter: 'layerskip:1', k: auto}\n",
+    )
     assert run.analysis.configs == ["base", "ngram-2", "skip"]
     assert set(run.analysis.verdicts) == {"ngram-2", "skip"}
     assert len(run.records) == 4 * 3

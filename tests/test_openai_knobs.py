@@ -18,15 +18,8 @@ SEEDED = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dir):
-    from specwise.engine import load_target
-
-    return load_target(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def live(target):
-    engine = SlowEngine(target, drafter="ngram", k="auto", max_batch=8)
+def live(tiny):
+    engine = SlowEngine(tiny, drafter="ngram", k="auto", max_batch=8)
     engine.add_drafter("suffix")
     with serving(engine) as server:
         yield server
@@ -64,14 +57,14 @@ def test_rejection_is_chosen_per_request_and_reported(live):
     assert complete(live, prompt="abc", max_tokens=4)["usage"]["speculative"]["verify"] == "coupled"
 
 
-def test_chat_logprobs_match_the_engine_and_are_sorted(live, client, target):
+def test_chat_logprobs_match_the_engine_and_are_sorted(live, client, tiny):
     messages = [{"role": "user", "content": "count: 1 2 3 1 2 3"}]
     r = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=3, **SEEDED
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    ref = Engine(target).generate(
+    ref = Engine(tiny).generate(
         [messages], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=1234, logprobs=3)
     )[0]
     assert [round(c.logprob, 4) for c in content] == [round(lp, 4) for _, lp, _ in ref.logprobs]

@@ -21,7 +21,8 @@ class View:
     prompt_len: int
     history: bool = True
     params: object = None
-    generator: object = None
+    noise: object = None
+    verify: str = "coupled"
     extra: list = field(default_factory=list)
 
 

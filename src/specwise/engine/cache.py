@@ -111,3 +111,9 @@ class CausalLM(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of the weights this model holds."""
         ...
+
+
+def output_size(model: object) -> int:
+    """How many tokens a model scores (its vocabulary): our decoders' `cfg`, or a transformers model's `config`."""
+    cfg = getattr(model, "cfg", None) or model.config  # type: ignore[attr-defined]
+    return int(cfg.vocab_size)

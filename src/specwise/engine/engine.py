@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specwise.engine.cache import output_size
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.noise import Noise, fresh_seed
@@ -147,6 +148,7 @@ class Engine:
         self.k_spec = _check_k(k, k_max)
         self.k_max = k_max
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
+        self.vocab = output_size(self.model)
         self.device = target.device
         self.max_batch = max_batch
         cache_len = self.max_len + PAD_MARGIN
@@ -219,11 +221,11 @@ class Engine:
         """
         params = params or SamplingParams()
         method = self.verify if verify is None else check_verify(verify)
-        vocab = _vocab_size(self.model)
-        bad = [t for t, _ in params.logit_bias if t >= vocab] if vocab is not None else []
-        if bad and vocab is not None:
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab]
+        if bad:
             raise SpecwiseError(
-                f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {vocab} (ids 0..{vocab - 1})",
+                f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {self.vocab} (ids 0.."
+                f"{self.vocab - 1})",
                 param="logit_bias",
             )
         ids = self.encode_prompt(prompt)
@@ -472,7 +474,9 @@ class Engine:
         params = seq.params
         rows: torch.Tensor | np.ndarray = scores
         if params.adjusts:
-            rows = adjust(scores, params, seq.token_ids[: seq.prompt_len], seq.output_ids, draft.tokens, self._eos)
+            rows = adjust(
+                scores, params, seq.token_ids[: seq.prompt_len], seq.output_ids, draft.tokens, self.tokenizer.eos_ids
+            )
         logd = None if params.greedy and params.logprobs is None else log_distribution(rows, params)
         position = len(seq.output_ids)  # output index of the first row
         if params.greedy:
@@ -496,10 +500,6 @@ class Engine:
         assert logd is not None
         emitted = [*draft.tokens[: verdict.accepted], verdict.token]
         return verdict, [(t, *top_logprobs(logd[i], t, params.logprobs)) for i, t in enumerate(emitted)]
-
-    @property
-    def _eos(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.eos_ids)
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
         """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — what pays
@@ -640,15 +640,6 @@ def check_invariant(target: LoadedModel) -> None:
             "output could differ from plain output. Run it on the CPU kernels (a Llama-family model, --device cpu, "
             "with a C compiler installed), or decode plainly without a drafter"
         )
-
-
-def _vocab_size(model: object) -> int | None:
-    """The target's vocabulary size (our decoder's config, or a transformers model's), None when unknown."""
-    for attr in ("cfg", "config"):
-        size = getattr(getattr(model, attr, None), "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return None
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:

@@ -2,14 +2,14 @@
 
 Penalties and min_tokens depend on the tokens before a position, so a verification pass applies them row by row,
 each with its own prefix (the committed output plus the draft tokens before it) — as plain decoding would have at
-that position. The same `probs_from_logits` is applied to the draft's and the target's logits, so rejection sampling
+that position. The same `probabilities` is applied to the draft's and the target's logits, so rejection sampling
 compares the two distributions the tokens are really drawn from.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,7 +127,7 @@ def adjust(
     prompt: Sequence[int],
     output: Sequence[int],
     draft: Sequence[int] = (),
-    eos: Sequence[int] = (),
+    eos: Iterable[int] = (),
 ) -> np.ndarray:
     """(N, V) raw logits of N consecutive positions → the logits plain decoding would see there: row j follows
     `output` + draft[:j] (N ≤ len(draft) + 1). Order as vLLM: min_tokens mask, logit bias, repetition, frequency and
@@ -219,11 +219,6 @@ def top_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, list[tuple
     idx = np.argpartition(-row, n - 1)[:n]
     idx = idx[np.lexsort((idx, -row[idx]))]
     return chosen, [(int(i), float(row[i])) for i in idx if math.isfinite(float(row[i]))]
-
-
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`probabilities` as a torch tensor on the logits' device (a draft's q, kept beside its tokens)."""
-    return torch.from_numpy(probabilities(logits, params)).to(logits.device)
 
 
 def greedy(logits: torch.Tensor | np.ndarray) -> list[int]:

@@ -434,14 +434,12 @@ class _Relay:
 
 @dataclass
 class _Choice:
-    """One sequence of a request as the client sees it: its index, text so far, timings for /metrics."""
+    """One sequence of a request as the client sees it: its index, what was streamed, timings for /metrics."""
 
     index: int
     seq: Sequence
-    started: float
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    tokens: int = 0
+    tokens: int = 0  # output tokens so far (after stop strings)
+    streamed: int = 0  # characters of text sent (completions' logprobs text_offset)
     first: float | None = None
     last: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -455,9 +453,6 @@ class _Choice:
                 self.itl.append(at - self.last)
             self.last = at
         self.tokens += len(event.token_ids)
-        self.text.append(event.text)
-        if event.logprobs:
-            self.logprobs += event.logprobs
 
 
 async def _generate(
@@ -475,7 +470,7 @@ async def _generate(
     load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
     seqs = _submit(state, body, prompts, max_tokens, logprobs, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    choices = {seq.request_id: _Choice(i, seq, started) for i, seq in enumerate(seqs)}
+    choices = {seq.request_id: _Choice(i, seq) for i, seq in enumerate(seqs)}
 
     def finish(choice: _Choice, result: GenerationResult, at: float) -> None:
         choice.result = result
@@ -525,14 +520,15 @@ async def _generate(
     for c in choices.values():
         assert c.result is not None
         item: dict = {"index": c.index, "finish_reason": c.result.finish_reason, "logprobs": None}
-        if logprobs is not None:
-            item["logprobs"] = _chat_logprobs(state, c.logprobs) if chat else _completion_logprobs(state, c.logprobs)
+        if c.result.logprobs is not None:
+            lps = c.result.logprobs
+            item["logprobs"] = _chat_logprobs(state, lps) if chat else _completion_logprobs(state, lps)
         if chat:
             item["message"] = {"role": "assistant", "content": c.result.text}
         else:
             item["text"] = c.result.text
         out.append(item)
-    usage = _usage(seqs, sum(len(c.result.token_ids) for c in choices.values() if c.result is not None))
+    usage = _usage(seqs, sum(c.tokens for c in choices.values()))
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -556,15 +552,15 @@ async def _stream(
     seqs = [c.seq for c in choices.values()]
     include_usage = bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)  # as vLLM: both must be set
-    offsets = dict.fromkeys(choices, 0)  # characters streamed per choice (completions' text_offset)
 
     def chunk(c: _Choice, text: str | None, finish_reason: str | None, event: StreamEvent | None = None) -> dict:
         lps = None
-        if event is not None and event.logprobs and c.seq.params.logprobs is not None:
-            if chat:
-                lps = _chat_logprobs(state, event.logprobs)
-            else:
-                lps = _completion_logprobs(state, event.logprobs, offsets[c.seq.request_id])
+        if event is not None and event.logprobs:  # set only for a request that asked for logprobs
+            lps = (
+                _chat_logprobs(state, event.logprobs)
+                if chat
+                else _completion_logprobs(state, event.logprobs, c.streamed)
+            )
         if chat:
             delta = {"role": "assistant", "content": ""} if event is None and finish_reason is None else {}
             if text:
@@ -590,9 +586,9 @@ async def _stream(
             c = choices[event.request_id]
             c.observe(at, event)
             if event.result is None:
-                if event.text or (event.logprobs and c.seq.params.logprobs is not None):
+                if event.text or event.logprobs:
                     yield sse(chunk(c, event.text, None, event))
-                    offsets[c.seq.request_id] += len(event.text)
+                    c.streamed += len(event.text)
                 continue
             finish(c, event.result, at)
             last = chunk(c, event.text or None, event.result.finish_reason, event)
@@ -600,7 +596,7 @@ async def _stream(
             yield sse(last)
         else:
             if include_usage:
-                usage = _usage(seqs, sum(len(c.result.token_ids) for c in choices.values() if c.result is not None))
+                usage = _usage(seqs, sum(c.tokens for c in choices.values()))
                 yield sse(
                     {
                         "id": rid,

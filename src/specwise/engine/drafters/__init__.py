@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
+from specwise.engine.cache import output_size
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
-from specwise.engine.drafters.suffix import SuffixDrafter
+from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP, check_drafter_spec
@@ -61,7 +62,7 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
     if kind == "ngram":
         return NgramDrafter(max_ngram=int(arg) if arg else 3)
     if kind == "suffix":
-        return SuffixDrafter(max_tokens=int(arg) if arg else 50_000)
+        return SuffixDrafter(max_tokens=int(arg) if arg else HISTORY_TOKENS)
     if kind == "layerskip":
         if not hasattr(target.model, "layer_subset"):
             raise SpecwiseError("layerskip drafting needs a Llama-family target (our decoder)")
@@ -89,10 +90,6 @@ def check_same_vocabulary(target, draft, label: str) -> None:
             f"draft model {label} has another vocabulary ({len(dv)} tokens vs the target's {len(tv)}; "
             f"e.g. {differing}): a draft model must use the target's tokenizer"
         )
-    t_out, d_out = _output_size(target.model), _output_size(draft.model)
+    t_out, d_out = output_size(target.model), output_size(draft.model)
     if t_out != d_out:
         raise SpecwiseError(f"draft model {label} scores {d_out} tokens, the target {t_out}: output sizes must match")
-
-
-def _output_size(model) -> int:
-    return model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size

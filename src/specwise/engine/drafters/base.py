@@ -24,6 +24,7 @@ class SequenceView(Protocol):
     params: SamplingParams
     noise: Noise  # the request's counter-based random numbers, keyed by output position
     verify: str  # "coupled": draw with the target's Gumbel noise; "rejection": with the drafter's own uniforms
+    history: bool  # may draft from, and add to, a drafter's cross-request history (suffix)
 
 
 @dataclass

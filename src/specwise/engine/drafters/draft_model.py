@@ -14,7 +14,7 @@ import torch
 from specwise.engine.cache import CausalLM
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.noise import DRAFT
-from specwise.engine.sampling import draw, greedy, gumbel_argmax, host, probabilities
+from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
 
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
@@ -72,7 +72,7 @@ class ModelDrafter:
             torch.tensor(last),
         )
 
-    def _choose(self, seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, torch.Tensor | None]:
+    def _choose(self, seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, np.ndarray | None]:
         """The next draft token and the distribution q it was drawn from: with the target's Gumbel noise for that
         output position under coupled verification (so it agrees with the target's draw as often as q allows),
         with the drafter's own counter-based uniform under rejection sampling."""
@@ -85,11 +85,11 @@ class ModelDrafter:
                 token = gumbel_argmax(np.log(q), seq.noise.gumbel(position, q.shape[-1]))
         else:
             token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
-        return token, torch.from_numpy(q)
+        return token, q
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        probs: list[list[np.ndarray]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return drafts
@@ -125,5 +125,5 @@ class ModelDrafter:
                 self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
         for i in active:
             if probs[i]:
-                drafts[i].probs = torch.from_numpy(np.stack([host(p) for p in probs[i]]))  # (k, V)
+                drafts[i].probs = torch.from_numpy(np.stack(probs[i]))  # (k, V)
         return drafts

@@ -19,12 +19,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections import deque
+from dataclasses import dataclass
 
 from specwise.engine.drafters.base import Draft, SequenceView
 
 DEPTH = 6  # longest context matched, in tokens
 MIN_SHARE = 0.5  # stop drafting where the most frequent continuation has less than this share of its context
 GLOBAL_MIN_MATCH = 2  # a global continuation needs this many context tokens matched (one token is too common)
+HISTORY_TOKENS = 50_000  # the shared history's default bound (`suffix` = `suffix:50000`)
 
 
 class SuffixIndex:
@@ -95,46 +97,54 @@ class SuffixIndex:
             return len(self.next) * per_ctx + 8 * self.tokens
 
 
+@dataclass
+class _Slot:
+    """A running request's state: its own index, how many of its tokens it counted, its token list (complete when it
+    is released) and prompt length, and whether it may use the shared history."""
+
+    index: SuffixIndex
+    tokens: list[int]
+    prompt_len: int
+    shared: bool
+    seen: int = 0
+
+
 class SuffixDrafter:
     """Suffix drafting over the request itself and the history of earlier requests (see the module docstring)."""
 
-    def __init__(self, max_tokens: int = 50_000, depth: int = DEPTH):
+    def __init__(self, max_tokens: int = HISTORY_TOKENS, depth: int = DEPTH):
         """`max_tokens` bounds the shared history; 0 turns it off (each request drafts from itself only)."""
-        self.name = "suffix" if max_tokens == 50_000 else f"suffix:{max_tokens}"
+        self.name = "suffix" if max_tokens == HISTORY_TOKENS else f"suffix:{max_tokens}"
         self.depth = depth
         self.history = SuffixIndex(depth, max_tokens)
-        # slot → (its index, tokens counted, prompt length, the sequence's own token list (complete at release),
-        # whether it may use the shared history)
-        self.local: dict[int, tuple[SuffixIndex, int, int, list[int], bool]] = {}
+        self.local: dict[int, _Slot] = {}  # slot → its request's state
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         out = []
         for seq, k in zip(seqs, ks, strict=False):
             tokens = seq.token_ids
-            entry = self.local.get(seq.slot)
-            if entry is None or entry[3] is not tokens:  # a new request in this slot
-                shared = getattr(seq, "history", True) and self.history.max_tokens != 0
-                entry = (SuffixIndex(self.depth), 0, getattr(seq, "prompt_len", len(tokens)), tokens, shared)
-            index, seen, prompt_len, _, shared = entry
-            index.extend(tokens, seen)
-            self.local[seq.slot] = (index, len(tokens), prompt_len, tokens, shared)
+            slot = self.local.get(seq.slot)
+            if slot is None or slot.tokens is not tokens:  # a new request in this slot
+                shared = seq.history and self.history.max_tokens != 0
+                slot = self.local[seq.slot] = _Slot(SuffixIndex(self.depth), tokens, seq.prompt_len, shared)
+            slot.index.extend(tokens, slot.seen)
+            slot.seen = len(tokens)
             if k <= 0:
                 out.append(Draft([]))
                 continue
-            mine = index.continuation(tokens, k)
-            theirs = self.history.continuation(tokens, k, GLOBAL_MIN_MATCH) if shared else []
+            mine = slot.index.continuation(tokens, k)
+            theirs = self.history.continuation(tokens, k, GLOBAL_MIN_MATCH) if slot.shared else []
             out.append(Draft(theirs if len(theirs) > len(mine) else mine))
         return out
 
     def release(self, slot: int) -> None:
         """The request in `slot` finished: its output joins the history (only requests this drafter served)."""
-        entry = self.local.pop(slot, None)
-        if entry is not None and entry[4]:  # a request that opted out leaves nothing behind
-            _, _, prompt_len, tokens, _ = entry
-            self.history.add(list(tokens[prompt_len:]))
+        state = self.local.pop(slot, None)
+        if state is not None and state.shared:  # a request that opted out leaves nothing behind
+            self.history.add(list(state.tokens[state.prompt_len :]))
 
     def extra_memory_bytes(self) -> int:
-        return self.history.nbytes() + sum(entry[0].nbytes() for entry in self.local.values())
+        return self.history.nbytes() + sum(state.index.nbytes() for state in self.local.values())
 
     def provenance(self, target_sha256: str) -> dict:
         return {"name": self.name, "derived_from": None}  # no weights: proposals come from text alone
