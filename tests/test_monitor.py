@@ -314,6 +314,8 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
         "2",
         "--drafter",
         "ngram",
+        "--k",
+        "4",  # fixed on both sides: adaptive k follows measured timings, and the acceptance length with it
         "--out",
         tmp_path / "run",
         "--no-progress",
@@ -328,6 +330,8 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
             "serve",
             "--drafter",
             "ngram",
+            "--k",
+            "4",
             "--port",
             str(port),
             "--log",
