@@ -16,14 +16,23 @@ Part 3, what adaptive speculation costs where it cannot help: general chat promp
 closed loop at concurrency 1 and 4, specwise plain against n-gram k=auto on one loaded model, phases interleaved over
 several rounds; generated tokens per second (prefill included) and their ratio.
 
+With --kernels (a list, or `all`: every variant this CPU runs), part 1 runs specwise on each kernel variant against
+llama.cpp built for the same instruction-set level (scripts/llama-server.sh with LLAMA_LEVEL=avx2|avx512; the native
+build for generic and neon), all in the same interleaved run, and part 4 adds per variant: a 9-token verification
+pass against a one-token step (benchmarks/kernels.py's measurement), a served step (`specwise serve`, its own decode
+time) beside a process busy-looping on one core against the idle one, and each engine's decode as a fraction of the
+floor the machine's read bandwidth sets for the weights. The targets of the kernels issue are printed as ratios.
+
 `llama-server` comes from $LLAMA_SERVER, PATH, or scripts/llama-server.sh (which builds it once into the cache).
 
-    python benchmarks/engine_vs_llamacpp.py [--max-new-tokens 96] [--repeats 2] [--threads 2] [--load-tasks 16]
+    python benchmarks/engine_vs_llamacpp.py [--kernels all] [--max-new-tokens 96] [--repeats 2] [--threads 2]
+        [--load-tasks 16] [--chat-rounds 4] [--llama-settings best|all]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -73,12 +82,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def find_llama_server(path: str | None) -> str:
-    if path:
+LEVELS = {"avx2": "avx2", "avx512": "avx512"}  # specwise variant → llama.cpp build level (others: native)
+
+
+def find_llama_server(path: str | None, level: str = "native") -> str:
+    """llama-server built for `level` (native, avx2, avx512), built once into the cache if needed."""
+    if path and level == "native":
         return path
-    done = subprocess.run([str(ROOT / "scripts" / "llama-server.sh")], capture_output=True, text=True)
+    env = {**os.environ, "LLAMA_LEVEL": level}
+    done = subprocess.run([str(ROOT / "scripts" / "llama-server.sh")], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        sys.exit(f"no llama-server: {done.stderr[-2000:]}")
+        sys.exit(f"no llama-server ({level}): {done.stderr[-2000:]}")
     return done.stdout.strip().splitlines()[-1]
 
 
@@ -179,34 +193,44 @@ def aggregate(runs: list[dict]) -> dict:
     }
 
 
-def part_one(args, binary: str, gguf: Path) -> None:
+def part_one(args, variants: list[str], gguf: Path) -> dict:
     import torch
 
     from specwise.engine import Engine, load_target
 
     torch.set_num_threads(args.threads)
     target = load_target(gguf)
-    engines = {
-        "specwise plain": Engine(target, max_batch=1),
-        "specwise ngram k=auto": Engine(target, drafter="ngram", k="auto", max_batch=1),
-        "specwise ngram k=4": Engine(target, drafter="ngram", k=4, max_batch=1),
-    }
-    llamas = {"llama.cpp plain": Llama(binary, gguf, args.threads, [])}
-    for name, extra in LLAMA_NGRAM.items():
-        llamas[f"llama.cpp {name}"] = Llama(binary, gguf, args.threads, extra)
+    engines: dict[str, Engine] = {}
+    for v in variants:
+        on_v = dataclasses.replace(target, model=target.model.on_kernels(v))
+        engines[f"specwise {v} plain"] = Engine(on_v, max_batch=1)
+        engines[f"specwise {v} ngram k=auto"] = Engine(on_v, drafter="ngram", k="auto", max_batch=1)
+        engines[f"specwise {v} ngram k=4"] = Engine(on_v, drafter="ngram", k=4, max_batch=1)
+    settings = (
+        LLAMA_NGRAM if args.llama_settings == "all" else {"ngram-simple n4 m8": LLAMA_NGRAM["ngram-simple n4 m8"]}
+    )
+    levels = sorted({LEVELS.get(v, "native") for v in variants})
+    llamas: dict[str, Llama] = {}
+    for level in levels:
+        binary = find_llama_server(args.llama_server, level)
+        llamas[f"llama.cpp {level} plain"] = Llama(binary, gguf, args.threads, [])
+        for name, extra in settings.items():
+            llamas[f"llama.cpp {level} {name}"] = Llama(binary, gguf, args.threads, extra)
     systems = [*llamas, *engines]
     tok = target.tokenizer
+    kernels = ", ".join(e.target.model.kernels for e in list(engines.values())[::3])
     print(
         f"target {target.identity.name} ({target.identity.precision}), {args.threads} threads, "
-        f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); llama-server: {binary}",
+        f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s); specwise kernels: {kernels}; "
+        f"llama.cpp builds: {', '.join(levels)}",
         flush=True,
     )
+    results: dict[tuple[str, str], list[dict]] = {}
     try:
         for e in engines.values():  # warm-up
             e.generate([chat("hi")], None)
         for ll in llamas.values():
             ll.run(tok.encode("hello"), 4)
-        results: dict[tuple[str, str], list[dict]] = {}
         turn = 0
         for set_name, prompts in (("copy-heavy", COPY_HEAVY), ("free-form", FREE_FORM)):
             for _ in range(args.repeats):
@@ -223,79 +247,97 @@ def part_one(args, binary: str, gguf: Path) -> None:
                         else:
                             res = llamas[name].run(ids, args.max_new_tokens)
                         results.setdefault((set_name, name), []).append(res)
-            report(set_name, systems, results)
-        verdict(results)
+            report(set_name, systems, variants, results)
+        verdict(results, variants, settings)
     finally:
         for ll in llamas.values():
             ll.close()
+    return results
 
 
-def report(set_name: str, systems: list[str], results: dict) -> None:
+def level_of(variant: str) -> str:
+    return LEVELS.get(variant, "native")
+
+
+def report(set_name: str, systems: list[str], variants: list[str], results: dict) -> None:
     n = len(results[(set_name, systems[0])])
     print(f"\n== {set_name}: {n} requests per system ==")
     print(
-        f"{'system':30} {'decode tok/s':>12} {'× llama plain':>13} {'prefill tok/s':>13} {'TTFT ms':>8} "
+        f"{'system':34} {'decode tok/s':>12} {'× llama plain':>13} {'prefill tok/s':>13} {'TTFT ms':>8} "
         f"{'accept':>7} {'MAL':>5}"
     )
-    base = aggregate(results[(set_name, "llama.cpp plain")])["decode"]
     for name in systems:
         a = aggregate(results[(set_name, name)])
+        level = name.split()[1] if name.startswith("llama.cpp") else level_of(name.split()[1])
+        base = aggregate(results[(set_name, f"llama.cpp {level} plain")])["decode"]
         print(
-            f"{name:30} {a['decode']:12.1f} {a['decode'] / base:12.2f}x {a['prefill']:13.0f} "
+            f"{name:34} {a['decode']:12.1f} {a['decode'] / base:12.2f}x {a['prefill']:13.0f} "
             f"{a['ttft'] * 1e3:8.1f} {_fmt(a['accept']):>7} {_fmt(a['mal']):>5}"
         )
-    plain = [r["tokens"] for r in results[(set_name, "specwise plain")]]
-    for name in ("specwise ngram k=auto", "specwise ngram k=4"):
-        same = sum(a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, name)]], strict=True))
-        print(f"{name}: {same}/{len(plain)} outputs equal to specwise plain (greedy)")
-    same = sum(
-        a == b for a, b in zip(plain, [r["tokens"] for r in results[(set_name, "llama.cpp plain")]], strict=True)
-    )
-    print(f"llama.cpp plain: {same}/{len(plain)} outputs token for token equal to specwise plain")
+    reference = [r["tokens"] for r in results[(set_name, f"specwise {variants[0]} plain")]]
+    for v in variants:
+        for kind in ("plain", "ngram k=auto", "ngram k=4"):
+            name = f"specwise {v} {kind}"
+            got = [r["tokens"] for r in results[(set_name, name)]]
+            same = sum(a == b for a, b in zip(reference, got, strict=True))
+            print(f"{name}: {same}/{len(reference)} outputs equal to specwise {variants[0]} plain (greedy)")
+    for level in sorted({level_of(v) for v in variants}):
+        got = [r["tokens"] for r in results[(set_name, f"llama.cpp {level} plain")]]
+        same = sum(a == b for a, b in zip(reference, got, strict=True))
+        print(f"llama.cpp {level} plain: {same}/{len(reference)} outputs token for token equal to specwise plain")
 
 
-def verdict(results: dict) -> None:
+def verdict(results: dict, variants: list[str], settings: dict) -> None:
     def dec(set_name: str, name: str) -> float:
         return aggregate(results[(set_name, name)])["decode"]
 
-    best = max(LLAMA_NGRAM, key=lambda k: dec("copy-heavy", f"llama.cpp {k}"))
-    prefill = [
-        aggregate(results[(s, name)])["prefill"]
-        for s in ("copy-heavy", "free-form")
-        for name in ("specwise plain", "llama.cpp plain")
-    ]
-    lines = [
-        (
-            "specwise plain / llama.cpp plain, decode (copy-heavy)",
-            dec("copy-heavy", "specwise plain") / dec("copy-heavy", "llama.cpp plain"),
-            1.0,
-        ),
-        (
-            "specwise plain / llama.cpp plain, decode (free-form)",
-            dec("free-form", "specwise plain") / dec("free-form", "llama.cpp plain"),
-            1.0,
-        ),
-        (
-            "specwise ngram k=auto / llama.cpp plain (copy-heavy)",
-            dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", "llama.cpp plain"),
-            2.5,
-        ),
-        (
-            f"specwise ngram k=auto / llama.cpp best n-gram ({best}) (copy-heavy)",
-            dec("copy-heavy", "specwise ngram k=auto") / dec("copy-heavy", f"llama.cpp {best}"),
-            2.0,
-        ),
-        (
-            "specwise ngram k=auto / specwise plain (free-form)",
-            dec("free-form", "specwise ngram k=auto") / dec("free-form", "specwise plain"),
-            0.97,
-        ),
-        ("specwise / llama.cpp prefill tokens/s (copy-heavy)", prefill[0] / prefill[1], 0.8),
-        ("specwise / llama.cpp prefill tokens/s (free-form)", prefill[2] / prefill[3], 0.8),
-    ]
+    def pre(set_name: str, name: str) -> float:
+        return aggregate(results[(set_name, name)])["prefill"]
+
     print("\n== ratios (target) ==")
-    for label, value, target in lines:
-        print(f"{label:72} {value:6.2f}x  (target ≥ {target}: {'met' if value >= target else 'MISSED'})")
+    for v in variants:
+        lv = level_of(v)
+        sp, ll = f"specwise {v}", f"llama.cpp {lv}"
+        best = max(settings, key=lambda k: dec("copy-heavy", f"{ll} {k}"))
+        lines = [
+            (
+                f"{sp} plain / {ll} plain, decode (copy-heavy)",
+                dec("copy-heavy", f"{sp} plain") / dec("copy-heavy", f"{ll} plain"),
+                1.0,
+            ),
+            (
+                f"{sp} plain / {ll} plain, decode (free-form)",
+                dec("free-form", f"{sp} plain") / dec("free-form", f"{ll} plain"),
+                1.0,
+            ),
+            (
+                f"{sp} ngram k=auto / {ll} plain (copy-heavy)",
+                dec("copy-heavy", f"{sp} ngram k=auto") / dec("copy-heavy", f"{ll} plain"),
+                2.5,
+            ),
+            (
+                f"{sp} ngram k=auto / {ll} {best} (copy-heavy)",
+                dec("copy-heavy", f"{sp} ngram k=auto") / dec("copy-heavy", f"{ll} {best}"),
+                2.0,
+            ),
+            (
+                f"{sp} ngram k=auto / {sp} plain (free-form)",
+                dec("free-form", f"{sp} ngram k=auto") / dec("free-form", f"{sp} plain"),
+                0.97,
+            ),
+            (
+                f"{sp} / {ll} prefill tokens/s (copy-heavy)",
+                pre("copy-heavy", f"{sp} plain") / pre("copy-heavy", f"{ll} plain"),
+                1.0,
+            ),
+            (
+                f"{sp} / {ll} prefill tokens/s (free-form)",
+                pre("free-form", f"{sp} plain") / pre("free-form", f"{ll} plain"),
+                1.0,
+            ),
+        ]
+        for label, value, target in lines:
+            print(f"{label:78} {value:6.2f}x  (target ≥ {target}: {'met' if value >= target else 'MISSED'})")
 
 
 def part_two(args, binary: str, gguf: Path) -> None:
@@ -421,6 +463,82 @@ def closed_loop(url: str, tasks, max_tokens: int) -> list[dict]:
         return list(pool.map(one, tasks))
 
 
+def served_step(url: str, prompt: str, tokens: int) -> float:
+    """Seconds per decode step of one request as the server measured it (usage.speculative.decode_time)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    usage = r.json()["usage"]
+    return usage["speculative"]["decode_time"] / (usage["completion_tokens"] - 1)
+
+
+def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
+    """Per variant: a 9-token pass against a step, a served step beside a busy neighbour, decode against the floor."""
+    import torch
+    from kernels import bandwidth, busy_neighbour, pass_costs
+
+    from specwise.engine import load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(gguf)
+    costs = pass_costs({v: target.model.on_kernels(v) for v in variants}, rounds=3)
+    served: dict[str, dict[str, list[float]]] = {}
+    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+    for v in variants:
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "SPECWISE_KERNELS": v}
+        cmd = [sys.executable, "-m", "specwise.cli", "serve", "--model", str(gguf), "--port", str(port)]
+        serve = subprocess.Popen(
+            [*cmd, "--served-model-name", "m"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, serve)
+            served_step(url, prompt, 16)  # warm-up
+            times: dict[str, list[float]] = {"idle": [], "busy": []}
+            for _ in range(3):  # idle and busy alternating
+                times["idle"] += [served_step(url, prompt, 64) for _ in range(3)]
+                with busy_neighbour():
+                    times["busy"] += [served_step(url, prompt, 64) for _ in range(3)]
+            served[v] = times
+        finally:
+            serve.terminate()
+            serve.wait(timeout=30)
+    bw = bandwidth(args.threads)
+    floor = target.model.weight_bytes() / bw
+    print(
+        f"\n== per kernel variant: passes, a busy neighbour, the bandwidth floor ==\n"
+        f"read bandwidth {bw / 1e9:.1f} GB/s on {args.threads} threads: the {target.model.weight_bytes() / 1e6:.0f} MB "
+        f"of weights allow at most {1 / floor:.0f} decode steps a second"
+    )
+    head = f"{'variant':8} {'step ms':>8} {'pass9 ms':>9} {'served idle ms':>15} {'served busy ms':>15}"
+    print(f"{head} {'decode of floor':>16}")
+    for v in variants:
+        c, t = costs[v], served[v]
+        idle, busy = statistics.median(t["idle"]), statistics.median(t["busy"])
+        plain = aggregate(results[("free-form", f"specwise {v} plain")])["decode"]
+        print(
+            f"{v:8} {c['step'] * 1e3:8.2f} {c['pass9'] * 1e3:9.2f} {idle * 1e3:15.2f} {busy * 1e3:15.2f} "
+            f"{plain * floor:16.2f}"
+        )
+    for level in sorted({level_of(v) for v in variants}):
+        llama = aggregate(results[("free-form", f"llama.cpp {level} plain")])["decode"]
+        print(f"llama.cpp {level} plain decode: {llama * floor:.2f} of the floor")
+    print("\n== ratios (target) ==")
+    for v in variants:
+        c, t = costs[v], served[v]
+        ratio = c["pass9"] / c["step"]
+        print(f"specwise {v}: a 9-token pass / a one-token step {ratio:27.2f}x  (target ≤ 2.0: {_met(ratio <= 2.0)})")
+        busy = statistics.median(t["busy"]) / statistics.median(t["idle"])
+        print(
+            f"specwise {v}: a served step beside a busy core / idle {busy:22.2f}x  (target ≤ 2.5: {_met(busy <= 2.5)})"
+        )
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -434,16 +552,35 @@ def main() -> None:
     ap.add_argument("--chat-rounds", type=int, default=4, help="rounds of part 3 (0 skips it)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--kernels",
+        help="specwise kernel variants to measure, each against llama.cpp built for its level: a comma list or "
+        "'all' (every variant this CPU runs); default: the one specwise picks; adds part 4",
+    )
+    ap.add_argument(
+        "--llama-settings",
+        choices=("all", "best"),
+        help="llama.cpp n-gram settings in part 1: all six, or the best one measured so far (default: all without "
+        "--kernels, best with it)",
+    )
     args = ap.parse_args()
+    from specwise.engine import kernels as K
     from specwise.engine.weights import embedded_model_path
 
     gguf = Path(args.model) if args.model else embedded_model_path()
+    if args.kernels == "all":
+        variants = K.runnable()[::-1]
+    else:
+        variants = [K.choose(v) for v in (args.kernels or "auto").split(",")]
+    args.llama_settings = args.llama_settings or ("best" if args.kernels else "all")
+    results = part_one(args, variants, gguf)
     binary = find_llama_server(args.llama_server)
-    part_one(args, binary, gguf)
     if args.load_tasks:
         part_two(args, binary, gguf)
     if args.chat_rounds:
         part_three(args, gguf)
+    if args.kernels:
+        part_four(args, variants, gguf, results)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# What the tests need beyond Python packages: Debian's Chromium, for rendering the HTML report headless, and
-# llama.cpp's llama-server, built once into the cache (scripts/llama-server.sh; ~5-8 minutes the first time), and
-# GuideLLM in a venv of its own in the cache (scripts/guidellm.sh; about a minute the first time).
+# What the tests need beyond Python packages: Debian's Chromium, for rendering the HTML report headless; Debian's
+# aarch64 cross compiler and qemu-user, for the NEON kernels' check under emulation; llama.cpp's llama-server,
+# built once into the cache (scripts/llama-server.sh; ~5 minutes the first time); and GuideLLM in a venv of its own
+# in the cache (scripts/guidellm.sh; about a minute the first time).
 set -euo pipefail
-if ! command -v chromium >/dev/null 2>&1; then
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || missing+=(gcc-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "the report test needs chromium: install Debian's 'chromium' package (as root: apt-get install chromium)" >&2
+    echo "the tests need Debian's ${missing[*]} (as root: apt-get install ${missing[*]})" >&2
     exit 1
   fi
 fi

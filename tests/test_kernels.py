@@ -1,8 +1,13 @@
-"""The CPU kernels: exact dequantisation, and rows whose results do not depend on the rest of the pass.
+"""The CPU kernels: each variant this CPU runs holds kernels.h's contract — the arithmetic it states, rows whose
+results do not depend on the rest of the pass, the same bits as every other variant — and the choice of variant.
 
-Bitwise comparisons (torch.equal) throughout: batch and draft invariance is a property of the arithmetic, so a
-difference in the last bit is a failure, not noise.
+Bitwise comparisons (torch.equal, np.array_equal) throughout: batch and draft invariance is a property of the
+arithmetic, so a difference in the last bit is a failure, not noise. The NEON variant is checked under qemu in
+test_kernel_selftest.py.
 """
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,39 +18,117 @@ from specwise.engine import load_target
 from specwise.errors import SpecwiseError
 
 FORMATS = ["f32", "bf16", "q8", "q4"]
+VARIANTS = K.runnable()  # every variant this CPU executes: each is forced and tested
+ZEN3 = frozenset(
+    {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
+    | {"xsave"}
+)
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
 
 
-def packed(fmt: str, n: int = 200, k: int = 96, seed: int = 0, bias: bool = False) -> K.PackedLinear:
+def packed(fmt: str, n: int = 200, k: int = 96, seed: int = 0, bias: bool = False, half: bool = True):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
     if fmt == "q4":
-        return K.pack_q4(*K.quantize_q4(w), bias=b)
+        q, d, m = K.quantize_q4(w)
+        return K.pack_q4(q, d if half else d.float(), m if half else m.float(), bias=b)
     if fmt == "q8":
-        return K.pack_q8(*K.quantize_q8(w), bias=b)
+        q, d = K.quantize_q8(w)
+        return K.pack_q8(q, d if half else d.float(), bias=b)
     return K.pack_dense(w, K.F32 if fmt == "f32" else K.BF16, b)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gemm_computes_with_the_dequantised_weights(fmt):
-    lin = packed(fmt, bias=True)  # n = 200: the last 32-column block is partly padding
-    x = torch.randn(7, lin.k)
-    ref = x.double() @ lin.dequantize().double().t() + lin.bias.double()
-    assert (K.gemm(lin, x).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+# --- the contract, emulated in numpy: fp32 arithmetic, a fused multiply-add as one rounding of the exact value ----
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gemm_rows_do_not_depend_on_the_rest_of_the_pass(fmt):
-    """Every row count from 1 to 23 (one-row and multi-row kernels, tails), any order, any thread count."""
+def fma(a, b, c):
+    """float32 a·b + c rounded once (the product of two float32 is exact in float64)."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def contract_quantize(x: np.ndarray):
+    """kernels.h contract 2's row quantisation: per 32-block dx, q = rint(x·(1/dx)) (half to even), Σq, dx·Σq."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int32)
+    total = q.sum(-1)
+    return q.reshape(M, K), dx, (dx * total.astype(np.float32)).astype(np.float32), total
+
+
+def contract_gemm(lin: K.PackedLinear, x: np.ndarray, activations: str) -> np.ndarray:
+    rows, inputs = x.shape
+    bias = np.zeros(lin.n, np.float32) if lin.bias is None else lin.bias.numpy()
+    if activations == "float32" or not lin.integer:
+        w = lin.dequantize().numpy()  # (n, K)
+        acc = np.zeros((rows, lin.n), np.float32)
+        for k in range(inputs):
+            acc = fma(x[:, k : k + 1], w[None, :, k], acc)
+        return (acc + bias).astype(np.float32)
+    q, dx, sx, _ = contract_quantize(x)
+    qw = lin.values().numpy().astype(np.int64)  # (n, K)
+    dw = K._unblocks(lin.d, lin.n).float().numpy()
+    mw = None if lin.m is None else K._unblocks(lin.m, lin.n).float().numpy()
+    acc = np.zeros((rows, lin.n), np.float32)
+    for b in range(inputs // 32):
+        isum = q[:, 32 * b : 32 * b + 32].astype(np.int64) @ qw[:, 32 * b : 32 * b + 32].T  # exact
+        acc = fma(isum.astype(np.float32), (dw[None, :, b] * dx[:, b : b + 1]).astype(np.float32), acc)
+        if mw is not None:
+            acc = fma(mw[None, :, b], sx[:, b : b + 1], acc)
+    return (acc + bias).astype(np.float32)
+
+
+CASES = [("f32", "float32"), ("bf16", "float32"), ("q8", "float32"), ("q4", "float32"), ("q8", "int8"), ("q4", "int8")]
+SCALED = [(fmt, act, half) for fmt, act in CASES for half in ([True, False] if fmt in ("q8", "q4") else [True])]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt, activations, half", SCALED)
+def test_gemm_computes_exactly_what_the_contract_states(variant, fmt, activations, half):
+    """Bit for bit the arithmetic kernels.h states, on n = 200 columns (the last block partly padding), with fp16
+    scales (GGUF's) and fp32 ones (Q4_K's)."""
+    lin = packed(fmt, n=200, k=128, bias=True, half=half)
+    x = torch.randn(7, lin.k, generator=torch.Generator().manual_seed(1)) * 2
+    got = K.gemm(lin, x, activations=activations, variant=variant).numpy()
+    assert np.array_equal(got, contract_gemm(lin, x.numpy(), activations))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_row_quantisation_is_the_contracts(variant):
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)) * 3
+    x[1, :32] = 0  # a block of zeros: dx = 0, q = 0
+    x[2, 40] = 1e4  # an outlier: the rest of its block rounds to 0
+    q, d, s, total = K.quantize_rows(x, variant=variant)
+    eq, ed, es, etotal = contract_quantize(x.numpy())
+    assert np.array_equal(q.numpy(), eq) and np.array_equal(d.numpy(), ed)
+    assert np.array_equal(s.numpy(), es) and np.array_equal(total.numpy(), etotal)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt, activations", CASES)
+def test_gemm_rows_do_not_depend_on_the_rest_of_the_pass(variant, fmt, activations):
+    """Every row count from 1 to 23 (each variant's row tiles and their tails), any order, any thread count."""
     lin = packed(fmt, n=320, k=128)
     x = torch.randn(23, lin.k)
-    full = K.gemm(lin, x)
+    full = K.gemm(lin, x, activations=activations, variant=variant)
     for m in range(1, 24):
-        assert torch.equal(K.gemm(lin, x[:m]), full[:m]), m
+        assert torch.equal(K.gemm(lin, x[:m], activations=activations, variant=variant), full[:m]), m
     perm = torch.randperm(23)
-    assert torch.equal(K.gemm(lin, x[perm]), full[perm])
-    assert torch.equal(torch.cat([K.gemm(lin, x[i : i + 1]) for i in range(23)]), full)
-    assert torch.equal(K.gemm(lin, x, threads=1), full)
+    assert torch.equal(K.gemm(lin, x[perm], activations=activations, variant=variant), full[perm])
+    rows = [K.gemm(lin, x[i : i + 1], activations=activations, variant=variant) for i in range(23)]
+    assert torch.equal(torch.cat(rows), full)
+    assert torch.equal(K.gemm(lin, x, threads=1, activations=activations, variant=variant), full)
+
+
+def test_int8_activations_move_results_by_their_rounding_only():
+    """The int8 path is another precision, close to the exact one: within 1% of the outputs' spread here."""
+    lin = packed("q4", n=256, k=512)
+    x = torch.randn(9, lin.k)
+    exact, fast = K.gemm(lin, x), K.gemm(lin, x, activations="int8")
+    assert not torch.equal(exact, fast)
+    assert (exact - fast).abs().max().item() <= 0.01 * exact.std().item() * 8
 
 
 def test_the_comparison_has_teeth():
@@ -61,8 +144,10 @@ def test_packings_round_trip():
     d, m = torch.rand(70, 2), -torch.rand(70, 2)
     expect = (q.float().reshape(70, 2, 32) * d[..., None] + m[..., None]).reshape(70, 64)
     assert torch.equal(K.pack_q4(q, d, m).dequantize(), expect)
-    q8 = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
+    assert torch.equal(K.pack_q4(q, d, m).values(), q)
+    q8 = torch.randint(-128, 128, (70, 64), dtype=torch.int8)
     assert torch.equal(K.pack_q8(q8, d).dequantize(), (q8.float().reshape(70, 2, 32) * d[..., None]).reshape(70, 64))
+    assert torch.equal(K.pack_q8(q8, d).values(), q8)
     w = torch.randn(70, 64)
     assert torch.equal(K.pack_dense(w, K.F32).dequantize(), w)
     assert torch.equal(K.pack_dense(w, K.BF16).dequantize(), w.bfloat16().float())
@@ -78,14 +163,78 @@ def test_quantisers_stay_within_half_a_step():
     assert (err <= d8[..., None] / 2 + 1e-6).all()
 
 
+# --- choosing a variant ----------------------------------------------------------------------------------------
+
+
+def test_auto_takes_the_widest_variant_the_cpu_has():
+    assert K.runnable(ZEN3, "x86_64") == ["generic", "avx2"]
+    assert K.runnable(ZEN4, "x86_64") == ["generic", "avx2", "avx512"]
+    assert K.runnable(frozenset({"sse2", "avx"}), "x86_64") == ["generic"]
+    assert K.runnable(frozenset({"asimd", "asimddp"}), "aarch64") == ["generic", "neon"]
+    assert K.missing_features("avx512", ZEN3, "x86_64") == ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+    assert K.flags("avx512", ZEN4) == ["-march=x86-64-v4", "-mavx512vnni"]
+    assert K.choose("auto") == VARIANTS[-1]
+
+
+def test_a_variant_the_cpu_lacks_is_refused_with_what_it_lacks(monkeypatch):
+    monkeypatch.setattr(K, "cpu_features", lambda: ZEN3)
+    monkeypatch.setattr(K, "_arch", lambda: "x86_64")
+    with pytest.raises(SpecwiseError, match=r"cannot run the avx512 kernels \(it lacks avx512f, avx512bw"):
+        K.choose("avx512")
+    monkeypatch.setenv("SPECWISE_KERNELS", "avx512")
+    with pytest.raises(SpecwiseError, match="variants it can run: auto, generic, avx2"):
+        K.library()
+    monkeypatch.setenv("SPECWISE_KERNELS", "sse9")
+    with pytest.raises(SpecwiseError, match=r"not a kernel variant \(allowed: auto, generic, avx2, avx512, neon"):
+        K.choose()
+
+
+def test_forcing_a_variant_this_cpu_cannot_run_is_an_error_not_a_crash(tiny_dir):
+    """The check comes before any of the variant's code is loaded: a clear message and exit status 2, no SIGILL."""
+    import os
+
+    foreign = "neon" if K._arch() == "x86_64" else "avx2"
+    done = subprocess.run(
+        [sys.executable, "-m", "specwise.cli", "generate", "hi", "--model", str(tiny_dir), "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPECWISE_KERNELS": foreign},
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"SPECWISE_KERNELS={foreign}: this CPU cannot run the {foreign} kernels" in done.stderr
+
+
+def test_a_damaged_cached_library_is_rebuilt(tmp_path):
+    """A cached library that is not a loadable one of this ABI (a full disk, an old build) is built again, not
+    loaded (each run in a fresh process: a process never reloads a library it has open)."""
+    import os
+
+    code = (
+        "import torch; from specwise.engine import kernels as K; "
+        "lin = K.pack_q4(*K.quantize_q4(torch.ones(64, 64))); "
+        "print(K.gemm(lin, torch.ones(1, 64), variant='generic')[0, 0].item())"
+    )
+    env = {**os.environ, "SPECWISE_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    (built,) = tmp_path.glob("kernels/*/libspecwise-generic.so")
+    built.write_bytes(b"\x7fELF not really")
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert again.stdout == first.stdout and "building the generic CPU kernels" in again.stderr
+    assert built.stat().st_size > 1000
+
+
 # --- the whole decoder ------------------------------------------------------------------------------------------
 
-PRECISIONS = {
-    "float32": ("float32", None),
-    "bfloat16": ("bfloat16", None),
-    "int8": ("auto", "int8"),
-    "int4": ("auto", "int4"),
+PRECISIONS = {  # dtype, quantize, activations
+    "float32": ("float32", None, "auto"),
+    "bfloat16": ("bfloat16", None, "auto"),
+    "int8": ("auto", "int8", "auto"),
+    "int4": ("auto", "int4", "auto"),
+    "int4-fp32-activations": ("auto", "int4", "float32"),
 }
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # past a 16-position key block
+STEPS = [12, 3, 4, 5, 30, 31, 2, 9, 7, 8, 1, 2]  # a pass of 12: attention runs of 8 and 4
+OTHER = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
 def logits(model, cache, tokens, positions, slots):
@@ -113,11 +262,26 @@ def check_invariance(model, prompt: list[int], steps: list[int], other: list[int
         assert torch.equal(pair[:1], one[i : i + 1]), f"step {i} in a batch of two"
 
 
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_decoder_rows_are_batch_and_draft_invariant(tiny_dir, precision):
-    dtype, quantize = PRECISIONS[precision]
-    model = load_target(tiny_dir, dtype=dtype, quantize=quantize).model
-    check_invariance(model, [5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 5, 30, 31, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def precision_model(request, tiny_dir):
+    dtype, quantize, activations = PRECISIONS[request.param]
+    return load_target(tiny_dir, dtype=dtype, quantize=quantize, activations=activations).model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_rows_are_batch_and_draft_invariant(precision_model, variant):
+    check_invariance(precision_model.on_kernels(variant), PROMPT, STEPS, OTHER)
+
+
+def test_every_variant_computes_the_same_logits(precision_model):
+    """Not only invariant within a variant: the variants agree with each other bit for bit (kernels.h), so which
+    one ran is provenance, not a different target."""
+    ids = PROMPT + STEPS
+    runs = []
+    for v in VARIANTS:
+        model = precision_model.on_kernels(v)
+        runs.append(logits(model, model.new_cache(1, 64), ids, list(range(len(ids))), [0] * len(ids)))
+    assert all(torch.equal(runs[0], r) for r in runs[1:]), VARIANTS
 
 
 def test_decoder_rows_do_not_depend_on_the_thread_count(tiny_dir):
@@ -125,23 +289,25 @@ def test_decoder_rows_do_not_depend_on_the_thread_count(tiny_dir):
     runs = []
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             cache = model.new_cache(1, 64)
             runs.append(logits(model, cache, list(range(1, 30)), list(range(29)), [0] * 29))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 
 @pytest.mark.embedded
-def test_embedded_rows_are_batch_and_draft_invariant(embedded):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_embedded_rows_are_batch_and_draft_invariant(embedded, variant):
     tok = embedded.tokenizer
     prompt = tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "List three colours."}]), add_special_tokens=False
     )
     other = tok.encode("Release notes: fixed the parser; added retries to the upload client.")
-    check_invariance(embedded.model, prompt, tok.encode(" Red, green and blue are colours.")[:8], other)
+    steps = tok.encode(" Red, green and blue are colours.")[:8]
+    check_invariance(embedded.model.on_kernels(variant), prompt, steps, other)
 
 
 def test_kernels_refuse_out_of_range_inputs_instead_of_crashing(tiny):

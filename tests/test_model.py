@@ -57,12 +57,25 @@ def test_logits_match_transformers(tmp_path, arch, kwargs, reference):
 
 @pytest.mark.parametrize("dtype, quantize", [("bfloat16", None), ("auto", "int8"), ("auto", "int4")])
 def test_packed_weights_compute_with_their_dequantised_values(tmp_path, dtype, quantize):
-    """A quantised model's logits equal (within fp32 summation order) those of a float32 model holding its
-    dequantised weights: the kernels dequantise exactly, and activations stay fp32."""
+    """With fp32 activations a quantised model's logits equal (within fp32 summation order) those of a float32 model
+    holding its dequantised weights: the kernels dequantise exactly."""
     d = write_tiny_model(tmp_path / "llama", std=0.1)
-    model = load_target(d, dtype=dtype, quantize=quantize).model
+    model = load_target(d, dtype=dtype, quantize=quantize, activations="float32").model
     reference = model.requantized("float32", kv_dtype=model.kv_dtype)
     assert (our_logits(model, IDS) - our_logits(reference, IDS)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_int8_activations_stay_close_to_fp32_activations(tmp_path, quantize):
+    """int8 activations (the default for 4- and 8-bit weights) move a quantised model's logits by the rounding of its
+    activations to 8 bits per 32 — a few percent of their spread on this random model — and are another precision."""
+    d = write_tiny_model(tmp_path / "llama", std=0.1)
+    exact = load_target(d, quantize=quantize, activations="float32")
+    fast = load_target(d, quantize=quantize)
+    assert fast.model.activations == "int8" and fast.identity.precision == f"{quantize}, int8 activations"
+    ref, got = our_logits(exact.model, IDS), our_logits(fast.model, IDS)
+    assert 0 < (got - ref).abs().max().item() <= 0.1 * ref.std().item()
+    assert fast.identity.sha256 != exact.identity.sha256
 
 
 @pytest.mark.parametrize("dtype, quantize, tolerance", [("bfloat16", None, 0.05), ("auto", "int8", 0.1)])
@@ -147,10 +160,31 @@ def test_each_precision_is_its_own_target(tiny_dir):
     precision is recorded; the weights' own precision keeps the weights' hash."""
     own = load_target(tiny_dir, dtype="float32")  # the tiny model is saved in fp32
     assert own.identity.precision == "float32" and own.identity.sha256 == own.identity.source_sha256
-    others = [load_target(tiny_dir), load_target(tiny_dir, quantize="int4"), load_target(tiny_dir, quantize="int8")]
-    assert [t.identity.precision for t in others] == ["bfloat16", "int4", "int8"]
+    others = [
+        load_target(tiny_dir),
+        load_target(tiny_dir, quantize="int4"),
+        load_target(tiny_dir, quantize="int4", activations="float32"),
+        load_target(tiny_dir, quantize="int8"),
+    ]
+    assert [t.identity.precision for t in others] == [
+        "bfloat16",
+        "int4, int8 activations",
+        "int4",
+        "int8, int8 activations",
+    ]
     hashes = {own.identity.sha256, *(t.identity.sha256 for t in others)}
-    assert len(hashes) == 4 and all(t.identity.source_sha256 == own.identity.sha256 for t in others)
+    assert len(hashes) == 5 and all(t.identity.source_sha256 == own.identity.sha256 for t in others)
+
+
+def test_activations_int8_needs_integer_weights_and_the_kernels(tiny_dir):
+    from specwise.errors import SpecwiseError
+
+    with pytest.raises(SpecwiseError, match="4- or 8-bit weights"):
+        load_target(tiny_dir, dtype="bfloat16", activations="int8")
+    with pytest.raises(SpecwiseError, match="runs on the CPU kernels"):
+        load_target(tiny_dir, reference=True, activations="int8")
+    with pytest.raises(SpecwiseError, match="allowed: auto, int8, float32"):
+        load_target(tiny_dir, activations="int4")
 
 
 def test_shapes_the_kernels_do_not_take_fall_back_to_the_reference_decoder(tmp_path, capsys):

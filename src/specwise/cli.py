@@ -15,18 +15,32 @@ from specwise.errors import SpecwiseError
 
 if TYPE_CHECKING:
     from specwise.engine import GenerationResult
-from specwise.specs import DTYPES, EXPORT_FORMATS, K_MAX, QUANTIZE, VERIFY_HELP, VERIFY_METHODS, parse_k
+from specwise.specs import (
+    ACTIVATIONS,
+    DTYPES,
+    EXPORT_FORMATS,
+    K_MAX,
+    QUANTIZE,
+    VERIFY_HELP,
+    VERIFY_METHODS,
+    parse_k,
+)
 
 DTYPE_HELP = (
     "weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
     "Hugging Face weights), bfloat16, float32 (the reference); float16 on CUDA only"
 )
 QUANTIZE_HELP = "quantise Hugging Face weights per group of 32: int4 or int8 (a different target, with its own hash)"
+ACTIVATIONS_HELP = (
+    "what the CPU kernels' 4- and 8-bit layers multiply: auto (default: int8, integer dot products as llama.cpp's, "
+    "the fastest), int8, or float32 (exact to the weights, several times slower; a different target)"
+)
 
 
 def _precision_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--quantize", default=None, choices=QUANTIZE, help=QUANTIZE_HELP)
+    p.add_argument("--activations", default="auto", choices=ACTIVATIONS, help=ACTIVATIONS_HELP)
 
 
 def _k(value: str) -> int | str:
@@ -263,7 +277,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt.strip():
         raise SpecwiseError("the prompt is empty: give at least one character of text")
-    target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    target = load_target(
+        args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, activations=args.activations
+    )
     engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1, verify=args.verify)
     use_chat = not args.raw and target.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt

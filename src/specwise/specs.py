@@ -3,7 +3,7 @@ kept in one torch-free place so each rule is stated once.
 
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
 - drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
-- target precisions: ``--dtype`` (DTYPES) and ``--quantize`` (QUANTIZE)
+- target precisions: ``--dtype`` (DTYPES), ``--quantize`` (QUANTIZE) and ``--activations`` (ACTIVATIONS)
 - verification of sampled drafts: ``--verify`` (VERIFY_METHODS; the first is the default)
 """
 
@@ -14,6 +14,9 @@ from specwise.errors import SpecwiseError
 K_MAX = 16  # the largest draft length any configuration may ask for
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
+# What the CPU kernels' 4- and 8-bit layers multiply: auto (int8: integer dot products, measured fastest on every
+# kernel variant, docs/benchmarks.md), int8, or float32 (exact to the weights: the reference).
+ACTIVATIONS = ("auto", "int8", "float32")
 DRAFTER_KINDS = ("ngram", "suffix", "model", "int8", "layerskip")
 EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
 VERIFY_METHODS = ("coupled", "rejection")  # how sampled drafts are verified (engine/verify.py)

@@ -25,8 +25,11 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         empty: bool = False,
+        capacity: int | None = None,
     ):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        # `capacity`: positions allocated per slot, ≥ max_len (the CPU kernels keep keys in blocks of 16 positions)
+        self.capacity = capacity or max_len
+        shape = (num_layers, num_slots, num_kv_heads, self.capacity, head_dim)
         # `empty`: left unwritten (memory is only committed as positions are first written) — for readers that never
         # look past a query's own position (the CPU kernels); the reference decoder masks padded reads, so zeros.
         make = torch.empty if empty else torch.zeros
@@ -89,6 +92,11 @@ class CausalLM(Protocol):
     @property
     def precision(self) -> str:
         """The weights' precision as run (e.g. "float32", "native (q4, q8)")."""
+        ...
+
+    @property
+    def kernels(self) -> str:
+        """What computes the passes (e.g. "avx2 (x86-64-v3: AVX2, FMA, F16C)", "torch"): provenance."""
         ...
 
     def num_parameters(self) -> int: ...

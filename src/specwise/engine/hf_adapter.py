@@ -63,6 +63,10 @@ class HFAdapter(nn.Module):
     def precision(self) -> str:
         return str(self.hf.dtype).removeprefix("torch.")
 
+    @property
+    def kernels(self) -> str:
+        return "torch (transformers)"
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.hf.parameters())
 

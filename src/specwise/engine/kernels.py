@@ -1,15 +1,19 @@
-"""The native CPU kernels (csrc/kernels.c): built once per machine with the system C compiler, loaded with ctypes.
+"""The native CPU kernels (csrc/): one library per instruction-set variant, built once per machine, chosen at load.
 
-The library is compiled with `-march=native` into the cache (keyed by the source, the compiler and this CPU's
-features), the first time a model runs on the CPU; later processes load it in milliseconds. It runs its parallel
-sections on a small thread pool of its own (as many threads as torch is set to use). Weights are packed here into
-the kernels' 32-column block layouts (see the C file's header); `PackedLinear` keeps the tensors alive and hands the
+A library is csrc/decoder.c plus one csrc/gemm_<variant>.c (csrc/kernels.h states the contract they keep and the
+weights' block layouts), compiled with the system C compiler into the cache and loaded with ctypes. Which variant
+runs is decided here and only here (`choose`): `$SPECWISE_KERNELS` = auto | generic | avx2 | avx512 | neon, auto
+taking the widest one this CPU has; a variant the CPU cannot execute is refused with the features it lacks (never
+a SIGILL). Every variant computes the same bits (kernels.h), so the variant is provenance, not part of a target's
+identity. The library runs its parallel sections on a small thread pool of its own (as many threads as torch is
+set to use). Weights are packed here into the block layouts; `PackedLinear` keeps the tensors alive and hands the
 kernels pointers.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -26,11 +30,19 @@ import torch
 from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
-SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
-ABI = 2
-FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC"]
+CSRC = Path(__file__).with_name("csrc")
+ABI = 3
+VARIANTS = ("generic", "avx2", "avx512", "neon")
+COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+# What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
+X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+REQUIRES = {
+    "avx2": X86_V3,
+    "avx512": (*X86_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
+ACTIVATIONS = ("float32", "int8")  # what the linear layers of Q8/Q4 weights multiply: see csrc/kernels.h
 
 
 class Unsupported(SpecwiseError):
@@ -40,8 +52,8 @@ class Unsupported(SpecwiseError):
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failure: str | None = None
+_libs: dict[str, ctypes.CDLL] = {}
+_failures: dict[str, str] = {}
 
 
 class SwLinear(ctypes.Structure):
@@ -51,7 +63,7 @@ class SwLinear(ctypes.Structure):
         ("k", ctypes.c_int32),
         ("nblocks", ctypes.c_int32),
         ("half_scales", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("act", ctypes.c_int32),
         ("w", _P),
         ("d", _P),
         ("m", _P),
@@ -97,7 +109,7 @@ class SwCache(ctypes.Structure):
         ("bf16", ctypes.c_int32),
         ("slots", ctypes.c_int32),
         ("max_len", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
     ]
 
 
@@ -106,33 +118,101 @@ class SwKV(ctypes.Structure):
         ("k", _P),
         ("v", _P),
         ("bf16", ctypes.c_int32),
-        ("max_len", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
         ("slot_stride", ctypes.c_int64),
         ("head_stride", ctypes.c_int64),
     ]
 
 
-def _cpu_features() -> str:
+# --- which variant: the one place that decides --------------------------------------------------------------
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as Linux names them (x86 `flags`, aarch64 `Features`); empty if unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.machine()
+    return frozenset()
+
+
+def _arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def missing_features(variant: str, features: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
+    """What this CPU lacks to run `variant` (empty: it can)."""
+    features = cpu_features() if features is None else features
+    arch = arch or _arch()
+    if variant == "generic":
+        return []
+    if variant == "neon":
+        return [] if arch == "aarch64" else [f"an aarch64 CPU (this one is {arch})"]
+    if arch != "x86_64":
+        return [f"an x86-64 CPU (this one is {arch})"]
+    return [f for f in REQUIRES[variant] if f not in features]
+
+
+def runnable(features: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
+    """The variants this CPU can execute, narrowest first."""
+    return [v for v in VARIANTS if not missing_features(v, features, arch)]
+
+
+def choose(requested: str | None = None) -> str:
+    """The variant to run: `requested`, else $SPECWISE_KERNELS, else auto (the widest this CPU executes)."""
+    name = (requested or os.environ.get("SPECWISE_KERNELS") or "auto").strip().lower()
+    can = runnable()
+    if name == "auto":
+        return can[-1]
+    if name not in VARIANTS:
+        raise SpecwiseError(
+            f"SPECWISE_KERNELS={name!r} is not a kernel variant (allowed: auto, {', '.join(VARIANTS)})",
+            param="kernels",
+        )
+    lacking = missing_features(name)
+    if lacking:
+        raise SpecwiseError(
+            f"SPECWISE_KERNELS={name}: this CPU cannot run the {name} kernels (it lacks {', '.join(lacking)}); "
+            f"variants it can run: {', '.join(['auto', *can])}",
+            param="kernels",
+        )
+    return name
+
+
+def flags(variant: str, features: frozenset[str] | None = None) -> list[str]:
+    """Compiler flags of a variant's library on this CPU (the widening extensions it has are switched on)."""
+    features = cpu_features() if features is None else features
+    arch = _arch()
+    if variant == "avx2":
+        return ["-march=x86-64-v3"]
+    if variant == "avx512":
+        return ["-march=x86-64-v4", *(["-mavx512vnni"] if "avx512_vnni" in features else [])]
+    if variant == "neon":
+        return ["-march=armv8.2-a+dotprod"] if "asimddp" in features else ["-march=armv8-a"]
+    if arch == "x86_64":  # generic: the baseline ISA, with hardware fused multiply-adds where the CPU has them
+        return ["-march=x86-64", "-mtune=generic", *(["-mfma"] if "fma" in features else [])]
+    return ["-march=armv8-a"] if arch == "aarch64" else []
+
+
+def sources(variant: str) -> list[Path]:
+    return [CSRC / "decoder.c", CSRC / f"gemm_{variant}.c"]
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, variant: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *COMMON_FLAGS, *flags(variant), *map(str, sources(variant)), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unsupported(f"building specwise's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
@@ -142,41 +222,58 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def library() -> ctypes.CDLL:
-    """The kernel library, compiled on first use (about 5 s) and cached; SpecwiseError if it cannot be built."""
-    global _lib, _failure
+def _open(path: Path, variant: str) -> ctypes.CDLL | None:
+    """The built library, or None when the file is not a loadable library of this ABI and variant (rebuild it)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.sw_variant.restype = ctypes.c_char_p
+        if lib.sw_abi() != ABI or lib.sw_variant().decode() != variant:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def library(variant: str | None = None) -> ctypes.CDLL:
+    """The kernel library of `variant` (default: `choose()`), compiled on first use (a few seconds) and cached;
+    SpecwiseError if the CPU cannot run it or it cannot be built."""
+    variant = choose(variant)
     with _lock:
-        if _lib is not None:
-            return _lib
-        if _failure is not None:
-            raise Unsupported(_failure)
+        if variant in _libs:
+            return _libs[variant]
+        if variant in _failures:
+            raise Unsupported(_failures[variant])
         cc = _compiler()
         if cc is None:
-            _failure = (
+            _failures[variant] = (
                 "specwise's CPU kernels need a C compiler (cc, gcc or clang; set $CC to choose one): install "
                 "one, e.g. `apt-get install gcc`"
             )
-            raise Unsupported(_failure)
+            raise Unsupported(_failures[variant])
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+        texts = [p.read_text() for p in [CSRC / "kernels.h", *sources(variant)]]
         key = hashlib.sha256(
-            "\n".join([SOURCE.read_text(), " ".join(FLAGS), *version, _cpu_features(), str(ABI)]).encode()
+            "\n".join([*texts, " ".join(COMMON_FLAGS + flags(variant)), *version, str(ABI)]).encode()
         ).hexdigest()[:20]
-
-        target = cache_root() / "kernels" / key / "libspecwise.so"
-        if not target.exists():
+        target = cache_root() / "kernels" / key / f"libspecwise-{variant}.so"
+        lib = _open(target, variant) if target.exists() else None
+        if lib is None:  # not built yet, or a stale or damaged file: build it (again)
             print(
-                f"specwise: building the CPU kernels for this machine once ({cc}); cached in {target.parent}",
+                f"specwise: building the {variant} CPU kernels once ({cc}); cached in {target.parent}",
                 file=sys.stderr,
             )
             try:
-                _build(cc, target)
+                _build(cc, variant, target)
             except SpecwiseError as exc:
-                _failure = str(exc)
+                _failures[variant] = str(exc)
                 raise
-        lib = ctypes.CDLL(str(target))
-        if lib.sw_abi() != ABI:
-            raise SpecwiseError(f"{target}: kernel library ABI {lib.sw_abi()} != {ABI}; delete it to rebuild")
+            lib = _open(target, variant)
+            if lib is None:
+                _failures[variant] = f"{target}: the freshly built kernel library does not load"
+                raise Unsupported(_failures[variant])
+        lib.sw_variant_detail.restype = ctypes.c_char_p
         lib.sw_gemm.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _I, _P, _I, _I, _I]
+        lib.sw_quantize_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P]
         lib.sw_embed.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _P, _I]
         lib.sw_rmsnorm.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I]
         lib.sw_silu_mul.argtypes = [_P, _I, _I, _P]
@@ -184,8 +281,15 @@ def library() -> ctypes.CDLL:
         lib.sw_scratch_floats.argtypes = [ctypes.POINTER(SwModel), _I, _I, _I]
         lib.sw_scratch_floats.restype = ctypes.c_long
         lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P, _I]
-        _lib = lib
+        lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
+        lib.sw_stream.restype = ctypes.c_uint64
+        _libs[variant] = lib
         return lib
+
+
+def describe(variant: str | None = None) -> str:
+    """What a variant's library was built with, e.g. 'avx512 (x86-64-v4, VNNI)' (provenance)."""
+    return library(variant).sw_variant_detail().decode()
 
 
 def available() -> bool:
@@ -216,13 +320,19 @@ class PackedLinear:
     def nblocks(self) -> int:
         return (self.n + 31) // 32
 
-    def struct(self) -> SwLinear:
+    @property
+    def integer(self) -> bool:
+        """Whether the int8-activation path applies (Q8 and Q4 weights)."""
+        return self.fmt in (Q8, Q4)
+
+    def struct(self, activations: str = "float32") -> SwLinear:
         def ptr(t):
             return t.data_ptr() if t is not None else None
 
         half = int(self.d is not None and self.d.dtype == torch.float16)
+        act = int(activations == "int8" and self.integer)
         return SwLinear(
-            self.fmt, self.n, self.k, self.nblocks, half, 0, ptr(self.w), ptr(self.d), ptr(self.m), ptr(self.bias)
+            self.fmt, self.n, self.k, self.nblocks, half, act, ptr(self.w), ptr(self.d), ptr(self.m), ptr(self.bias)
         )
 
     def nbytes(self) -> int:
@@ -237,20 +347,27 @@ class PackedLinear:
     def from_tensors(cls, fmt: int, n: int, k: int, tensors: dict[str, torch.Tensor]) -> PackedLinear:
         return cls(fmt, n, k, tensors["w"], tensors.get("d"), tensors.get("m"), tensors.get("bias"))
 
-    def dequantize(self) -> torch.Tensor:
-        """The (n, k) fp32 weights the kernels compute with (tests and the reference path)."""
+    def values(self) -> torch.Tensor:
+        """The stored integers (Q8: int8, Q4: 0..15) or floats as an (n, k) tensor, unpacked from the layout."""
         nb, K = self.nblocks, self.k
         if self.fmt in (F32, BF16):
-            full = self.w.float()
-        elif self.fmt == Q8:
-            assert self.d is not None  # Q8 carries scales
-            full = self.w.float() * self.d.float().repeat_interleave(32, dim=1)
-        else:
-            assert self.d is not None and self.m is not None  # Q4 carries scales and minimums
-            lo, hi = (self.w & 15).float(), (self.w >> 4).float()
-            q = torch.cat([lo, hi], dim=2)  # (nb, K, 32)
-            full = q * self.d.float().repeat_interleave(32, dim=1) + self.m.float().repeat_interleave(32, dim=1)
-        return full.reshape(nb, K, 32).permute(0, 2, 1).reshape(nb * 32, K)[: self.n].contiguous()
+            blocks = self.w  # (nb, K, 32)
+        else:  # Q8 (nb, K/4, 32, 4) as it is; Q4's bytes hold columns j and j+16
+            g = self.w if self.fmt == Q8 else torch.cat([self.w & 15, self.w >> 4], dim=2)
+            blocks = g.permute(0, 1, 3, 2).reshape(nb, K, 32)
+        return blocks.permute(0, 2, 1).reshape(nb * 32, K)[: self.n]
+
+    def dequantize(self) -> torch.Tensor:
+        """The (n, k) fp32 weights the fp32-activation path computes with (kernels.h: q·d, q·d + m)."""
+        q = self.values().float()
+        if self.fmt in (F32, BF16):
+            return q.contiguous()
+        assert self.d is not None  # Q8 and Q4 carry scales
+        d = _unblocks(self.d, self.n).float().repeat_interleave(32, dim=1)
+        if self.fmt == Q8:
+            return (q * d).contiguous()
+        assert self.m is not None  # Q4 carries minimums
+        return (q * d + _unblocks(self.m, self.n).float().repeat_interleave(32, dim=1)).contiguous()
 
 
 def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -259,6 +376,19 @@ def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
     if nb * 32 != n:
         t = torch.cat([t, t.new_zeros((nb * 32 - n, *t.shape[1:]))])
     return t.reshape(nb, 32, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _unblocks(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(nb, k, 32) → (n, k): _blocks undone."""
+    nb, k, _ = t.shape
+    return t.transpose(1, 2).reshape(nb * 32, k)[:n]
+
+
+def _groups(q: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, k) → (nb, k/4, 32, 4): 4 consecutive inputs of one column side by side (one 32-bit lane)."""
+    b = _blocks(q, n)  # (nb, k, 32)
+    nb, k, _ = b.shape
+    return b.reshape(nb, k // 4, 4, 32).permute(0, 1, 3, 2).contiguous()
 
 
 def _check_k(k: int) -> None:
@@ -286,7 +416,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) 
     _check_k(k)
     (d,) = _scales(d)
     return PackedLinear(
-        Q8, n, k, _blocks(q.to(torch.int8), n), _blocks(d, n), bias=None if bias is None else bias.float().contiguous()
+        Q8, n, k, _groups(q.to(torch.int8), n), _blocks(d, n), bias=None if bias is None else bias.float().contiguous()
     )
 
 
@@ -295,8 +425,8 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tenso
     fp16 d and m are kept in fp16."""
     n, k = q.shape
     _check_k(k)
-    blocks = _blocks(q.to(torch.uint8), n)  # (nb, k, 32)
-    packed = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
+    g = _groups(q.to(torch.uint8), n)  # (nb, k/4, 32, 4)
+    packed = g[:, :, :16] | (g[:, :, 16:] << 4)
     d, m = _scales(d, m)
     return PackedLinear(
         Q4,
@@ -329,13 +459,33 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(n, k).to(torch.uint8), d, lo
 
 
-def gemm(lin: PackedLinear, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+def gemm(
+    lin: PackedLinear,
+    x: torch.Tensor,
+    threads: int | None = None,
+    activations: str = "float32",
+    variant: str | None = None,
+) -> torch.Tensor:
     """x (M, k) fp32 → (M, n) through the kernels (tests, benchmarks)."""
-    lib = library()
+    lib = library(variant)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], lin.n)
-    s = lin.struct()
-    lib.sw_gemm(
+    s = lin.struct(activations)
+    rc = lib.sw_gemm(
         ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0, threads or torch.get_num_threads()
     )
+    if rc != 0:
+        raise SpecwiseError("the kernels could not allocate their scratch memory")
     return y
+
+
+def quantize_rows(x: torch.Tensor, variant: str | None = None) -> tuple[torch.Tensor, ...]:
+    """The int8 path's activation quantisation of x (M, K): q (M, K) int8, dx, sx (M, K/32) fp32, Σq (M, K/32)."""
+    lib = library(variant)
+    x = x.float().contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.int8)
+    d, s = torch.empty(M, K // 32), torch.empty(M, K // 32)
+    total = torch.empty(M, K // 32, dtype=torch.int32)
+    lib.sw_quantize_rows(x.data_ptr(), M, K, K, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
+    return q, d, s, total

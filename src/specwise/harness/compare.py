@@ -24,10 +24,11 @@ def _flags(a: Run, b: Run) -> list[str]:
             flags.append(f"draft of {name!r} differs: {da} vs {db}")
     if pa.get("specwise_version") != pb.get("specwise_version"):
         flags.append(f"specwise version differs: {pa.get('specwise_version')} vs {pb.get('specwise_version')}")
-    if pa.get("hardware", {}).get("cpu") != pb.get("hardware", {}).get("cpu") or pa.get("hardware", {}).get(
-        "gpu"
-    ) != pb.get("hardware", {}).get("gpu"):
+    ha, hb = pa.get("hardware", {}), pb.get("hardware", {})
+    if any(ha.get(key) != hb.get(key) for key in ("cpu", "gpu")):
         flags.append("hardware differs")
+    if ha.get("kernels") != hb.get("kernels"):
+        flags.append(f"kernels differ: {ha.get('kernels')} vs {hb.get('kernels')}")
     if a.fingerprint != b.fingerprint:
         flags.append(f"plan differs (fingerprint {a.fingerprint} vs {b.fingerprint})")
     return flags

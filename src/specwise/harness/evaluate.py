@@ -186,9 +186,10 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     # Everything is checked before the model loads or anything is measured.
     if args.launch and not args.endpoint:
         raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
-    if args.endpoint and (args.dtype != "auto" or args.quantize):
+    other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
+    if args.endpoint and other_precision:
         raise SpecwiseError(
-            "--dtype and --quantize set the in-process engine's precision; with --endpoint the server "
+            "--dtype, --quantize and --activations set the in-process engine's precision; with --endpoint the server "
             "decides it (put them in the command you --launch)"
         )
     workload = workload_from(args.workload)
@@ -210,7 +211,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         )
     verify = args.verify or VERIFY_METHODS[0]
     target = args.model
-    if not args.endpoint and (args.dtype != "auto" or args.quantize):  # another precision is another target
+    if not args.endpoint and other_precision:  # another precision is another target
         target = " ".join(
             filter(
                 None,
@@ -218,6 +219,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
                     args.model,
                     f"--dtype {args.dtype}" if args.dtype != "auto" else None,
                     f"--quantize {args.quantize}" if args.quantize else None,
+                    f"--activations {args.activations}" if args.activations != "auto" else None,
                 ],
             )
         )
@@ -263,6 +265,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantize=args.quantize,
             verify=verify,
+            activations=args.activations,
         )
     try:
         run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)

@@ -192,7 +192,8 @@ class HTTPBackend:
         own = self._json("/v1/models")
         entry: dict = next((m for m in (own or {}).get("data") or [] if m.get("id") == self.model), {})
         if entry.get("specwise"):
-            server = {"kind": "specwise", "version": entry["specwise"].get("version")}
+            own_info = entry["specwise"]
+            server = {"kind": "specwise", "version": own_info.get("version"), "kernels": own_info.get("kernels")}
         elif (props := self._json("/props")) and "build_info" in props:
             server = {"kind": "llama.cpp", "version": props.get("build_info")}
             target.setdefault("path", props.get("model_path"))

@@ -60,9 +60,11 @@ def console_summary(run: Run) -> str:
     lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.get('specwise_version')}")
     sha = target.get("sha256")
     hw = prov.get("hardware", {})
+    precision = f"{target['precision']}, " if target.get("precision") else ""
+    kernels = f", kernels {hw['kernels']}" if hw.get("kernels") else ""
     lines.append(
-        f"target {describe(target.get('name'))} (sha256 {sha[:12] + '…' if sha else 'unknown'})  "
-        f"hardware {describe(hw.get('cpu'))} ×{describe(hw.get('cpu_threads'))}"
+        f"target {describe(target.get('name'))} ({precision}sha256 {sha[:12] + '…' if sha else 'unknown'})  "
+        f"hardware {describe(hw.get('cpu'))} ×{describe(hw.get('cpu_threads'))}{kernels}"
     )
     servers = {describe(f.get("server")) for f in (prov.get("facts") or {}).values() if f.get("server")}
     if servers:

@@ -92,6 +92,7 @@ class ServerState:
             "policy": scheduler.policy.describe(),
             "max_batch": engine.max_batch,
             "max_len": engine.max_len,
+            "kernels": engine.target.model.kernels,
             "version": __version__,
         }
         return cls(scheduler, name, metrics, api_key, admin_key, info)

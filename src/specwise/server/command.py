@@ -75,7 +75,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from specwise.engine import Engine, load_target
     from specwise.server.app import ServerState, create_app
 
-    target = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    target = load_target(
+        args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, activations=args.activations
+    )
     engine = Engine(
         target,
         drafter=args.drafter,

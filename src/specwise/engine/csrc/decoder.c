@@ -1,0 +1,883 @@
+/* specwise CPU kernels, the part every variant shares: thread pool, the linear-layer driver, norms, RoPE,
+ * attention and the decoder loop. The matrix products' inner loops are the variant's (gemm_<variant>.c); the
+ * contract they and this file keep, and the weights' block layouts, are stated once in kernels.h.
+ *
+ * Vector code here runs on the machine's own vector width (VW lanes: 16 on AVX-512, 8 on AVX, 4 on NEON and SSE),
+ * lane by lane, with every fused multiply-add explicit (vfma) and no other contraction; where a row is reduced, it is
+ * reduced as 16 lanes (16/VW vectors side by side) and then by one fixed tree (hsum16). So it computes the same
+ * bits whichever instruction set it is compiled for.
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define VP (16 / VW) /* vectors per 16-lane group */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int8_t vq __attribute__((vector_size(VW)));
+typedef int8_t vq_u __attribute__((vector_size(VW), aligned(1)));
+
+#define LD(p) (*(const vf_u*)(p))
+#define ST(p, v) (*(vf_u*)(p) = (v))
+
+int sw_abi(void) { return SW_ABI; }
+
+/* ---------------------------------------------------------------------------------------------- helpers */
+
+static inline vf vsplat(float a) { return (vf){0} + a; }
+
+/* Per lane a·b + c with one rounding, and bf16 → fp32: spelled per instruction set (a compiler may leave a lane
+ * loop of fmaf scalar); every spelling computes the same bits. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf load_bf16(const uint16_t* p) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf load_bf16(const uint16_t* p) {
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+static inline vf vfma(vf a, vf b, vf c) { return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b); }
+static inline vf load_bf16(const uint16_t* p) { return (vf)vshll_n_u16(vld1_u16(p), 16); }
+#else
+static inline vf vfma(vf a, vf b, vf c) {
+  vf r;
+  for (int i = 0; i < VW; i++) r[i] = sw_fma(a[i], b[i], c[i]);
+  return r;
+}
+static inline vf load_bf16(const uint16_t* p) {
+  vi r;
+  for (int i = 0; i < VW; i++) r[i] = (int32_t)((uint32_t)p[i] << 16);
+  return (vf)r;
+}
+#endif
+
+/* The sum of 16 floats in one fixed order: a tree, lane i with lane i+8, then i+4, i+2, i+1. */
+static inline float hsum16(const float* a) {
+  float s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+  for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+  return s2[0] + s2[1];
+}
+
+/* A 16-lane accumulator (VP vectors) reduced by hsum16. */
+static inline float hsum_parts(const vf* acc) {
+  float a[16];
+  for (int p = 0; p < VP; p++) ST(a + p * VW, acc[p]);
+  return hsum16(a);
+}
+
+static inline float hmax(vf v) {
+  float r = v[0];
+  for (int i = 1; i < VW; i++) r = v[i] > r ? v[i] : r;
+  return r;
+}
+
+float sw_f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t u;
+  if (exp == 0) { /* zero or subnormal: value = man · 2^-24, exact */
+    float f = (float)man * 5.9604644775390625e-8f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+  u += 0x7fff + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+static inline float scale_at(const sw_linear* L, const void* base, size_t at) {
+  return L->half_scales ? sw_f16_to_f32(((const uint16_t*)base)[at]) : ((const float*)base)[at];
+}
+
+static inline vf vfloor(vf x) {
+  vf t = __builtin_convertvector(__builtin_convertvector(x, vi), vf);
+  return t + __builtin_convertvector(t > x, vf); /* true lanes are -1 */
+}
+
+static inline vf vsel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+static inline vf vmaxv(vf a, vf b) { return vsel(a > b, a, b); }
+
+/* exp over 16 lanes (Cephes' expf polynomial, Horner with fused steps): about 1 ulp; below −87 it is exactly 0
+ * (no denormals, which cost a hundred cycles an operation on x86). */
+static inline vf vexp(vf x) {
+  const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.0f);
+  const vi tiny = x < lo;
+  x = vsel(x < hi, x, hi);
+  x = vsel(tiny, lo, x);
+  const vf fx = vfloor(vfma(x, vsplat(1.44269504088896341f), vsplat(0.5f)));
+  x = vfma(fx, vsplat(-0.693359375f), x);
+  x = vfma(fx, vsplat(2.12194440e-4f), x);
+  const vf z = x * x;
+  vf y = vsplat(1.9875691500E-4f);
+  y = vfma(y, x, vsplat(1.3981999507E-3f));
+  y = vfma(y, x, vsplat(8.3334519073E-3f));
+  y = vfma(y, x, vsplat(4.1665795894E-2f));
+  y = vfma(y, x, vsplat(1.6666665459E-1f));
+  y = vfma(y, x, vsplat(5.0000001201E-1f));
+  y = vfma(y, z, x) + 1.0f;
+  const vi e = (__builtin_convertvector(fx, vi) + 127) << 23;
+  return vsel(tiny, (vf){0}, y * (vf)e);
+}
+
+/* ------------------------------------------------------------------------------------------ thread pool */
+
+/* A section is `units` independent pieces of work; whoever is free claims the next one (the calling thread
+ * included), so a worker the OS has descheduled — a busy neighbour on the same cores, a compile — delays the pass
+ * by at most the unit it holds, never by its whole share. Idle workers spin for SPIN_NS, then sleep. Which thread
+ * runs a unit never changes what the unit computes (the contract: no element is split across units). */
+
+#define MAX_THREADS 64
+#define SPIN_NS 200000L
+
+typedef void (*unit_fn)(void* ctx, int unit, int thread);
+
+/* ticket = generation (16 bits) | threads allowed (8) | units (20) | next unit to claim (20): one atomic word, so a
+ * claim (a compare-and-swap that bumps `next`) can only succeed for a live section and a unit it really has. */
+#define T_GEN(t) ((t) >> 48)
+#define T_THREADS(t) ((int)(((t) >> 40) & 0xff))
+#define T_UNITS(t) ((int)(((t) >> 20) & 0xfffff))
+#define T_NEXT(t) ((int)((t) & 0xfffff))
+#define MAX_UNITS 0xfffff
+
+static struct {
+  pthread_mutex_t run_lock; /* one section at a time, whoever calls */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int started;
+  _Atomic uint64_t ticket;
+  _Atomic int done; /* units finished in the current section */
+  _Atomic int sleepers;
+  unit_fn fn;
+  void* ctx;
+} pool = {.run_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static int worker_ids[MAX_THREADS];
+
+static long now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
+/* Claim and run units of the section `gen` until none is left; thread is the caller's index. */
+static void work_on(uint64_t gen, int thread) {
+  uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+  while (T_GEN(t) == gen && T_NEXT(t) < T_UNITS(t)) {
+    if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
+      pool.fn(pool.ctx, T_NEXT(t), thread);
+      atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+      t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
+  }
+}
+
+static void* worker(void* arg) {
+  const int id = *(const int*)arg; /* thread index: 1.. */
+  uint64_t seen = T_GEN(atomic_load(&pool.ticket));
+  for (;;) {
+    const long start = now_ns();
+    int spins = 0;
+    while (T_GEN(atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen) {
+      cpu_relax();
+      if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+        pthread_mutex_lock(&pool.mu);
+        atomic_fetch_add(&pool.sleepers, 1);
+        while (T_GEN(atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+        atomic_fetch_sub(&pool.sleepers, 1);
+        pthread_mutex_unlock(&pool.mu);
+        break;
+      }
+    }
+    const uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    seen = T_GEN(t);
+    if (id < T_THREADS(t)) work_on(seen, id);
+  }
+  return NULL;
+}
+
+/* Run fn(ctx, u, thread) for u = 0..units-1 on up to T threads (thread < T), the caller taking part. */
+static void parallel(unit_fn fn, void* ctx, int units, int T) {
+  if (T > MAX_THREADS) T = MAX_THREADS;
+  if (T <= 1 || units <= 1 || units > MAX_UNITS) {
+    for (int u = 0; u < units; u++) fn(ctx, u, 0);
+    return;
+  }
+  pthread_mutex_lock(&pool.run_lock);
+  while (pool.started < T - 1) {
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    worker_ids[pool.started] = pool.started + 1;
+    const int ok = pthread_create(&th, &attr, worker, &worker_ids[pool.started]) == 0;
+    pthread_attr_destroy(&attr);
+    if (!ok) break;
+    pool.started++;
+  }
+  if (T - 1 > pool.started) T = pool.started + 1;
+  pool.fn = fn;
+  pool.ctx = ctx;
+  atomic_store(&pool.done, 0);
+  const uint64_t gen = (T_GEN(atomic_load(&pool.ticket)) + 1) & 0xffff;
+  /* sequentially consistent: ordered before the read of sleepers below, so a worker going to sleep either sees the
+   * new generation or is seen and woken */
+  atomic_store(&pool.ticket, gen << 48 | (uint64_t)T << 40 | (uint64_t)units << 20);
+  if (atomic_load(&pool.sleepers) > 0) {
+    pthread_mutex_lock(&pool.mu);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+  }
+  work_on(gen, 0);
+  for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < units; spins++) {
+    if (spins < 4096)
+      cpu_relax();
+    else
+      sched_yield(); /* a unit is held by a worker the OS took away: let it run */
+  }
+  pthread_mutex_unlock(&pool.run_lock);
+}
+
+/* ------------------------------------------------------------------------------------ linear layers */
+
+/* Quantise rows for the int8 path (kernels.h, contract 2): per row and 32-block, dx, q, Σq and sx = dx·Σq.
+ * rint(v) is (v + 1.5·2²³) − 1.5·2²³: exact round-half-to-even for |v| < 2²², in plain IEEE arithmetic. */
+static void quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum) {
+  const int KB = K / 32;
+  const vf magic = vsplat(12582912.0f), top = vsplat(127.0f), bottom = vsplat(-127.0f);
+  for (int r = 0; r < M; r++)
+    for (int b = 0; b < KB; b++) {
+      const float* xb = x + (size_t)r * ldx + b * 32;
+      vf amaxv = {0};
+      for (int i = 0; i < 32; i += VW) {
+        const vf v = LD(xb + i);
+        amaxv = vmaxv(vsel(v < 0.0f, -v, v), amaxv);
+      }
+      const float amax = hmax(amaxv); /* exact in any order */
+      const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+      int8_t* qb = q + (size_t)r * K + b * 32;
+      vi total = {0};
+      for (int i = 0; i < 32; i += VW) {
+        vf v = (LD(xb + i) * id + magic) - magic;
+        v = vsel(v > top, top, vsel(v < bottom, bottom, v));
+        const vi qi = __builtin_convertvector(v, vi);
+        total += qi;
+        *(vq_u*)(qb + i) = __builtin_convertvector(qi, vq);
+      }
+      int32_t t = 0;
+      for (int l = 0; l < VW; l++) t += total[l];
+      d[(size_t)r * KB + b] = dx;
+      sum[(size_t)r * KB + b] = t;
+      s[(size_t)r * KB + b] = dx * (float)t;
+    }
+}
+
+/* 32 scales (or mins) of one block row as fp32. */
+static inline void scales32(const sw_linear* L, const void* base, size_t at, float* out) {
+  for (int c = 0; c < 32; c++) out[c] = scale_at(L, base, at + c);
+}
+
+/* Columns 0..31 of block blk, inputs k0..k0+kc-1, dequantised into tile[kc][32] (fp32 path of BF16/Q8/Q4). Lane-wise
+ * on 32-bit lanes: lane c of a Q8 group holds column c's 4 inputs, lane j of a Q4 group columns j and j+16. */
+static void dequantize_tile(const sw_linear* L, int blk, int k0, int kc, float* tile) {
+  const int K = L->k, KB = K / 32;
+  if (L->fmt == SW_BF16) {
+    const uint16_t* w = (const uint16_t*)L->w + ((size_t)blk * K + k0) * 32;
+    for (int i = 0; i < kc * 32; i += VW) ST(tile + i, load_bf16(w + i));
+    return;
+  }
+  typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+  typedef uint32_t vu_u __attribute__((vector_size(VW * 4), aligned(1)));
+  for (int kb = k0 / 32; kb < (k0 + kc) / 32; kb++) {
+    float dv[32], mv[32];
+    const size_t at = ((size_t)blk * KB + kb) * 32;
+    scales32(L, L->d, at, dv);
+    if (L->fmt == SW_Q4) scales32(L, L->m, at, mv);
+    float* t = tile + (size_t)(kb * 32 - k0) * 32;
+    for (int g = 0; g < 8; g++) {
+      const size_t group = (size_t)blk * (K / 4) + kb * 8 + g;
+      if (L->fmt == SW_Q8) {
+        const uint8_t* w = (const uint8_t*)L->w + group * 128;
+        for (int c = 0; c < 32; c += VW) {
+          const vi u = (vi) * (const vu_u*)(w + c * 4);
+          for (int kk = 0; kk < 4; kk++) { /* byte kk of each lane, sign-extended */
+            const vf q = __builtin_convertvector((u << (24 - 8 * kk)) >> 24, vf);
+            ST(t + (4 * g + kk) * 32 + c, q * LD(dv + c));
+          }
+        }
+      } else {
+        const uint8_t* w = (const uint8_t*)L->w + group * 64;
+        for (int j = 0; j < 16; j += VW) {
+          const vu u = *(const vu_u*)(w + j * 4);
+          for (int kk = 0; kk < 4; kk++) {
+            const vf lo = __builtin_convertvector((vi)((u >> (8 * kk)) & 15u), vf);
+            const vf hi = __builtin_convertvector((vi)((u >> (8 * kk + 4)) & 15u), vf);
+            ST(t + (4 * g + kk) * 32 + j, lo * LD(dv + j) + LD(mv + j));
+            ST(t + (4 * g + kk) * 32 + 16 + j, hi * LD(dv + 16 + j) + LD(mv + 16 + j));
+          }
+        }
+      }
+    }
+  }
+}
+
+static inline int int8_path(const sw_linear* L) { return L->act && (L->fmt == SW_Q8 || L->fmt == SW_Q4); }
+
+static void store_block(const sw_linear* L, float* y, int ldy, int blk, const float* acc, int R, int accumulate) {
+  const int c0 = blk * 32, cols = L->n - c0 < 32 ? L->n - c0 : 32;
+  for (int r = 0; r < R; r++) {
+    const float* a = acc + (size_t)r * 32;
+    float* yr = y + (size_t)r * ldy + c0;
+    for (int c = 0; c < cols; c++) {
+      const float v = L->bias ? a[c] + L->bias[c0 + c] : a[c];
+      yr[c] = accumulate ? yr[c] + v : v;
+    }
+  }
+}
+
+typedef struct {
+  const sw_linear* L;
+  const float* x;
+  int M, ldx;
+  sw_qrows X;
+  float* y;
+  int ldy, accumulate;
+  float* scratch; /* per thread: SW_MAX_ROWS·32 (block results) + SW_KC·32 (a dequantised tile) floats */
+  int blocks_per_unit;
+} gemm_job;
+
+#define GEMM_THREAD_FLOATS ((size_t)SW_MAX_ROWS * 32 + (size_t)SW_KC * 32)
+
+static void gemm_unit(void* ctx, int u, int thread) {
+  const gemm_job* j = ctx;
+  const sw_linear* L = j->L;
+  const int K = L->k;
+  float* acc = j->scratch + (size_t)thread * GEMM_THREAD_FLOATS;
+  float* tile = acc + (size_t)SW_MAX_ROWS * 32;
+  const int b0 = u * j->blocks_per_unit;
+  const int b1 = b0 + j->blocks_per_unit < L->nblocks ? b0 + j->blocks_per_unit : L->nblocks;
+  for (int blk = b0; blk < b1; blk++)
+    for (int m0 = 0; m0 < j->M; m0 += SW_MAX_ROWS) {
+      const int R = j->M - m0 < SW_MAX_ROWS ? j->M - m0 : SW_MAX_ROWS;
+      if (int8_path(L)) {
+        const sw_qrows X = {j->X.q + (size_t)m0 * K, j->X.d + (size_t)m0 * (K / 32), j->X.s + (size_t)m0 * (K / 32),
+                            j->X.sum + (size_t)m0 * (K / 32), K};
+        sw_int8_block(L, blk, &X, R, acc);
+      } else {
+        memset(acc, 0, (size_t)R * 32 * sizeof(float));
+        const float* xr = j->x + (size_t)m0 * j->ldx;
+        if (L->fmt == SW_F32) {
+          sw_f32_block((const float*)L->w + (size_t)blk * K * 32, K, xr, j->ldx, R, acc);
+        } else {
+          for (int k0 = 0; k0 < K; k0 += SW_KC) {
+            const int kc = K - k0 < SW_KC ? K - k0 : SW_KC;
+            dequantize_tile(L, blk, k0, kc, tile);
+            sw_f32_block(tile, kc, xr + k0, j->ldx, R, acc);
+          }
+        }
+      }
+      store_block(L, j->y + (size_t)m0 * j->ldy, j->ldy, blk, acc, R, j->accumulate);
+    }
+}
+
+typedef struct {
+  const float* x;
+  int ldx, K, rows_per_unit, M;
+  int8_t* q;
+  float *d, *s;
+  int32_t* sum;
+} quantize_job;
+
+static void quantize_unit(void* ctx, int u, int thread) {
+  (void)thread;
+  const quantize_job* j = ctx;
+  const int r0 = u * j->rows_per_unit, R = j->M - r0 < j->rows_per_unit ? j->M - r0 : j->rows_per_unit;
+  const size_t KB = (size_t)j->K / 32;
+  quantize_rows(j->x + (size_t)r0 * j->ldx, R, j->ldx, j->K, j->q + (size_t)r0 * j->K, j->d + r0 * KB,
+                j->s + r0 * KB, j->sum + r0 * KB);
+}
+
+/* Floats of scratch gemm() needs for M rows of K inputs on T threads. */
+static size_t gemm_scratch_floats(int M, int K, int T) {
+  const size_t KB = (size_t)K / 32;
+  return (size_t)T * GEMM_THREAD_FLOATS + ((size_t)M * K + 3) / 4 + 3 * (size_t)M * KB + 16;
+}
+
+/* y (M×n) = x (M×k) · Wᵀ (+ bias), or y += that when accumulate. Column blocks are shared among the threads in
+ * units; K is never split, so no result depends on the thread count or on which thread ran it. */
+static void gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int T,
+                 float* scratch) {
+  const int K = L->k, KB = K / 32, nb = L->nblocks;
+  gemm_job job = {L, x, M, ldx, {0}, y, ldy, accumulate, scratch, 1};
+  float* after = scratch + (size_t)T * GEMM_THREAD_FLOATS;
+  if (int8_path(L)) {
+    float* d = after;
+    float* s = d + (size_t)M * KB;
+    int32_t* sum = (int32_t*)(s + (size_t)M * KB);
+    int8_t* q = (int8_t*)(sum + (size_t)M * KB);
+    const int rows_per_unit = 8;
+    quantize_job qj = {x, ldx, K, rows_per_unit, M, q, d, s, sum};
+    parallel(quantize_unit, &qj, (M + rows_per_unit - 1) / rows_per_unit, (long)M * K >= 65536 ? T : 1);
+    job.X = (sw_qrows){q, d, s, sum, K};
+  }
+  const long work = (long)M * L->n * K;
+  if (work <= 32768 || T > nb) T = work <= 32768 ? 1 : nb;
+  job.blocks_per_unit = T > 1 ? (nb + 4 * T - 1) / (4 * T) : nb;
+  parallel(gemm_unit, &job, (nb + job.blocks_per_unit - 1) / job.blocks_per_unit, T);
+}
+
+/* The kernels' GEMM on its own (tests, benchmarks): scratch of its own. */
+int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads) {
+  if (nthreads < 1) nthreads = 1;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  float* scratch = malloc(gemm_scratch_floats(M, L->k, nthreads) * sizeof(float));
+  if (!scratch) return -5;
+  gemm(L, x, M, ldx, y, ldy, accumulate, nthreads, scratch);
+  free(scratch);
+  return 0;
+}
+
+/* The int8 path's row quantisation on its own (tests hold it to the contract). */
+void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum) {
+  quantize_rows(x, M, ldx, K, q, d, s, sum);
+}
+
+/* Rows `tokens` of a weight matrix whose rows are the vocabulary (an embedding table kept in head layout). */
+void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo) {
+  const int K = E->k, KB = K / 32;
+  for (int i = 0; i < M; i++) {
+    const int64_t t = tokens[i];
+    const int blk = (int)(t / 32), c = (int)(t % 32);
+    float* o = out + (size_t)i * ldo;
+    for (int k = 0; k < K; k++) {
+      const size_t s = ((size_t)blk * KB + k / 32) * 32 + c;
+      switch (E->fmt) {
+        case SW_F32: o[k] = ((const float*)E->w)[((size_t)blk * K + k) * 32 + c]; break;
+        case SW_BF16: o[k] = bf16_to_f32(((const uint16_t*)E->w)[((size_t)blk * K + k) * 32 + c]); break;
+        case SW_Q8: {
+          const int8_t q = ((const int8_t*)E->w)[(((size_t)blk * (K / 4) + k / 4) * 32 + c) * 4 + k % 4];
+          o[k] = (float)q * scale_at(E, E->d, s);
+          break;
+        }
+        default: {
+          const uint8_t b = ((const uint8_t*)E->w)[(((size_t)blk * (K / 4) + k / 4) * 16 + (c & 15)) * 4 + k % 4];
+          o[k] = (float)(c < 16 ? (b & 15) : (b >> 4)) * scale_at(E, E->d, s) + scale_at(E, E->m, s);
+        }
+      }
+    }
+  }
+}
+
+/* Reads `bytes` of buf on T threads and returns a checksum (a read-bandwidth probe for the benchmarks). */
+typedef struct {
+  const uint64_t* p;
+  size_t words, per_unit;
+  uint64_t part[MAX_THREADS];
+} stream_job;
+
+static void stream_unit(void* ctx, int u, int thread) {
+  stream_job* j = ctx;
+  const size_t a = (size_t)u * j->per_unit, b = a + j->per_unit < j->words ? a + j->per_unit : j->words;
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  size_t i = a;
+  for (; i + 4 <= b; i += 4) {
+    s0 += j->p[i];
+    s1 += j->p[i + 1];
+    s2 += j->p[i + 2];
+    s3 += j->p[i + 3];
+  }
+  for (; i < b; i++) s0 += j->p[i];
+  j->part[thread] += s0 + s1 + s2 + s3;
+}
+
+uint64_t sw_stream(const void* buf, size_t bytes, int nthreads) {
+  stream_job j = {buf, bytes / 8, 1 << 16, {0}};
+  parallel(stream_unit, &j, (int)((j.words + j.per_unit - 1) / j.per_unit), nthreads);
+  uint64_t s = 0;
+  for (int t = 0; t < MAX_THREADS; t++) s += j.part[t];
+  return s;
+}
+
+/* ----------------------------------------------------------------------------------- norms, activation */
+
+void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo) {
+  for (int i = 0; i < M; i++) {
+    const float* xr = x + (size_t)i * ldx;
+    vf acc[VP] = {{0}};
+    for (int c = 0; c < C; c += 16)
+      for (int p = 0; p < VP; p++) {
+        const vf v = LD(xr + c + p * VW);
+        acc[p] = vfma(v, v, acc[p]);
+      }
+    const float rs = 1.0f / sqrtf(hsum_parts(acc) / (float)C + eps);
+    float* o = out + (size_t)i * ldo;
+    for (int c = 0; c < C; c += VW) ST(o + c, LD(w + c) * (LD(xr + c) * rs));
+  }
+}
+
+/* act = silu(gate) · up, rows of gu = [gate | up] (2·I wide). */
+void sw_silu_mul(const float* gu, int M, int I, float* out) {
+  for (int i = 0; i < M; i++) {
+    const float* g = gu + (size_t)i * 2 * I;
+    const float* u = g + I;
+    float* o = out + (size_t)i * I;
+    for (int c = 0; c < I; c += VW) {
+      const vf gv = LD(g + c);
+      ST(o + c, gv / (1.0f + vexp(-gv)) * LD(u + c));
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- attention */
+
+static inline vf load_kv(const void* base, int bf16, size_t at) {
+  return bf16 ? load_bf16((const uint16_t*)base + at) : LD((const float*)base + at);
+}
+
+static inline void store_kv(void* base, int bf16, size_t at, float v) {
+  if (bf16)
+    ((uint16_t*)base)[at] = f32_to_bf16(v);
+  else
+    ((float*)base)[at] = v;
+}
+
+static void rope(float* v, int D, const float* cs, const float* sn) {
+  const int h = D / 2;
+  for (int i = 0; i < h; i++) {
+    const float x1 = v[i], x2 = v[i + h];
+    v[i] = x1 * cs[i] - x2 * sn[i];
+    v[i + h] = x2 * cs[i] + x1 * sn[i];
+  }
+}
+
+#define QC 8 /* queries of one sequence attended together (they share each key and value load) */
+/* How many queries share a load in the score and value loops, and how many 16-lane slices of D a value pass
+ * keeps: register budgets only (16 ymm on AVX2, 32 zmm on AVX-512); no query's arithmetic depends on them. */
+#if defined(__AVX512F__)
+#define QS 8
+#define QV 4
+#define CV 4
+#define CV1 4
+#elif VW == 8
+#define QS 4
+#define QV 2
+#define CV 4
+#define CV1 8
+#else
+#define QS 4
+#define QV 2
+#define CV 8
+#define CV1 16
+#endif
+
+/* Scores of NQ queries against the NB blocks of 16 keys from j0, into s rows 0..NQ-1 (row stride `stride`). NB
+ * blocks side by side give a lone query independent chains to overlap (a chain over D is one FMA latency a step). */
+static inline __attribute__((always_inline)) void scores(const float* const* q, const int* n, const int NQ,
+                                                         const int NB, int j0, int D, const sw_kv* kv, size_t base,
+                                                         float scale, float* s, int stride) {
+  vf acc[QS][4][VP];
+  for (int b = 0; b < NB; b++)
+    for (int p = 0; p < VP; p++) {
+      const vf k0 = load_kv(kv->k, kv->bf16, base + (size_t)(j0 + 16 * b) * D + p * VW);
+      for (int t = 0; t < NQ; t++) acc[t][b][p] = k0 * q[t][0];
+    }
+  for (int d = 1; d < D; d++)
+    for (int b = 0; b < NB; b++)
+      for (int p = 0; p < VP; p++) {
+        /* block j0+16b of keys, transposed: [D][16] */
+        const vf kd = load_kv(kv->k, kv->bf16, base + (size_t)(j0 + 16 * b) * D + (size_t)d * 16 + p * VW);
+        for (int t = 0; t < NQ; t++) acc[t][b][p] = vfma(kd, vsplat(q[t][d]), acc[t][b][p]);
+      }
+  for (int t = 0; t < NQ; t++)
+    for (int b = 0; b < NB; b++)
+      if (j0 + 16 * b < n[t])
+        for (int p = 0; p < VP; p++) ST(s + (size_t)t * stride + j0 + 16 * b + p * VW, acc[t][b][p] * scale);
+}
+
+/* Every score of NQ queries (keys 0..nmax-1): NB blocks at a time while they last, then one. */
+static inline __attribute__((always_inline)) void scores_all(const float* const* q, const int* n, const int NQ,
+                                                             const int NB, int nmax, int D, const sw_kv* kv,
+                                                             size_t base, float scale, float* s, int stride) {
+  int j0 = 0;
+  for (; j0 + 16 * NB <= nmax; j0 += 16 * NB) scores(q, n, NQ, NB, j0, D, kv, base, scale, s, stride);
+  for (; j0 < nmax; j0 += 16) scores(q, n, NQ, 1, j0, D, kv, base, scale, s, stride);
+}
+
+/* out[t][c0 .. c0+NC·VW) of NQ queries: their exp-scores in s times the values, in key order. */
+static inline __attribute__((always_inline)) void values(const int* n, const int NQ, int nmax, int D, int c0,
+                                                         const int NC, const sw_kv* kv, size_t base, const float* s,
+                                                         int stride, const float* inv, float* const* out) {
+  vf o[QV][CV1];
+  for (int t = 0; t < NQ; t++)
+    for (int c = 0; c < NC; c++) o[t][c] = (vf){0};
+  for (int j = 0; j < nmax; j++) {
+    vf vj[CV1];
+    const size_t at = base + (size_t)j * D + c0;
+    for (int c = 0; c < NC; c++) vj[c] = load_kv(kv->v, kv->bf16, at + c * VW);
+    for (int t = 0; t < NQ; t++) {
+      if (j >= n[t]) continue;
+      const vf e = vsplat(s[(size_t)t * stride + j]);
+      for (int c = 0; c < NC; c++) o[t][c] = vfma(e, vj[c], o[t][c]);
+    }
+  }
+  for (int t = 0; t < NQ; t++)
+    for (int c = 0; c < NC; c++) ST(out[t] + c0 + c * VW, o[t][c] * inv[t]);
+}
+
+/* Queries q[0..nq) (one head, one slot) against that slot's keys: query i sees keys 0..n[i]-1.
+ * softmax(q·Kᵀ·scale)·V into out[i]. A query's arithmetic is the same whatever else is attended with it: its score
+ * for key j is k[j][0]·q[0] followed by a fused chain over d = 1..D-1, then ·scale; exp and sum in lane order; then
+ * values accumulated in key order. s holds QC·(capacity+16) floats. */
+static void attend(const float* const* q, const int* n, const int nq, int D, const sw_kv* kv, size_t base,
+                   float scale, float* s, float* const* out) {
+  const int stride = kv->capacity + 16;
+  for (int i0 = 0; i0 < nq; i0 += QS) {
+    const int qs = nq - i0 < QS ? nq - i0 : QS;
+    int nmax = 0;
+    for (int t = 0; t < qs; t++) nmax = n[i0 + t] > nmax ? n[i0 + t] : nmax;
+    float* si = s + (size_t)i0 * stride;
+    switch (qs) {
+#define SCORES(NQ, NB) \
+  case NQ: scores_all(q + i0, n + i0, NQ, NB, nmax, D, kv, base, scale, si, stride); break;
+      SCORES(1, 4) SCORES(2, 2) SCORES(3, 1) SCORES(4, 1)
+#if QS > 4
+      SCORES(5, 1) SCORES(6, 1) SCORES(7, 1) SCORES(8, 1)
+#endif
+#undef SCORES
+      default: break;
+    }
+  }
+  float inv[QC];
+  for (int i = 0; i < nq; i++) {
+    float* si = s + (size_t)i * stride;
+    const int end = (n[i] + 15) / 16 * 16;
+    for (int j = n[i]; j < end; j++) si[j] = -INFINITY; /* the last block's keys past the query's own position */
+    vf mxv = vsplat(-INFINITY);
+    for (int j = 0; j < end; j += VW) mxv = vmaxv(LD(si + j), mxv);
+    const float mx = hmax(mxv); /* a maximum is exact in any order */
+    vf sumv[VP] = {{0}};
+    for (int j0 = 0; j0 < end; j0 += 16)
+      for (int p = 0; p < VP; p++) {
+        const vf e = vexp(LD(si + j0 + p * VW) - mx);
+        ST(si + j0 + p * VW, e);
+        sumv[p] = sumv[p] + e;
+      }
+    inv[i] = 1.0f / hsum_parts(sumv);
+  }
+  if (nq == 1 && D == CV1 * VW) { /* a lone query: all of D at once, CV1 independent chains */
+    values(n, 1, n[0], D, 0, CV1, kv, base, s, stride, inv, out);
+    return;
+  }
+  for (int i0 = 0; i0 < nq; i0 += QV) {
+    const int qv = nq - i0 < QV ? nq - i0 : QV;
+    int nmax = 0;
+    for (int t = 0; t < qv; t++) nmax = n[i0 + t] > nmax ? n[i0 + t] : nmax;
+    const float* si = s + (size_t)i0 * stride;
+    for (int c0 = 0; c0 < D; c0 += CV * VW) {
+      const int nc = (D - c0) / VW < CV ? (D - c0) / VW : CV;
+#define VALUES(NQ, NC) values(n + i0, NQ, nmax, D, c0, NC, kv, base, si, stride, inv + i0, out + i0)
+      if (nc == CV) {
+        switch (qv) {
+          case 1: VALUES(1, CV); break;
+          case 2: VALUES(2, CV); break;
+#if QV > 2
+          case 3: VALUES(3, CV); break;
+          case 4: VALUES(4, CV); break;
+#endif
+          default: break;
+        }
+      } else {
+        for (int t = 0; t < qv; t++) /* the last slices of a head size that is not a multiple of CV·VW */
+          for (int c = 0; c < nc; c++)
+            values(n + i0 + t, 1, n[i0 + t], D, c0 + c * VW, 1, kv, base, si + (size_t)t * stride, stride,
+                   inv + i0 + t, out + i0 + t);
+      }
+#undef VALUES
+    }
+  }
+}
+
+typedef struct {
+  const float* qkv;
+  int ldq;
+  const int64_t* pos;
+  const int32_t* slot;
+  int H, Hkv, D;
+  const sw_kv* kv;
+  float* out;
+  int ldo;
+  float* scratch;
+  const int* run_start;
+  int nruns;
+} attention_job;
+
+static void attention_unit(void* ctx, int u, int thread) {
+  const attention_job* j = ctx;
+  const int H = j->H, D = j->D, group = j->H / j->Hkv;
+  const float scale = 1.0f / sqrtf((float)D);
+  float* s = j->scratch + (size_t)thread * QC * (j->kv->capacity + 16);
+  const int r = u / H, h = u % H, g = h / group;
+  const int a = j->run_start[r], nq = j->run_start[r + 1] - a;
+  const float* qs[QC];
+  float* outs[QC];
+  int n[QC];
+  for (int i = 0; i < nq; i++) {
+    qs[i] = j->qkv + (size_t)(a + i) * j->ldq + (size_t)h * D;
+    outs[i] = j->out + (size_t)(a + i) * j->ldo + (size_t)h * D;
+    n[i] = (int)j->pos[a + i] + 1;
+  }
+  const size_t base = (size_t)j->slot[a] * j->kv->slot_stride + (size_t)g * j->kv->head_stride;
+  attend(qs, n, nq, D, j->kv, base, scale, s, outs);
+}
+
+/* RoPE on the queries and keys of qkv rows (in place), write keys and values into the cache at each token's
+ * (slot, position), then attend: token i sees positions 0..pos[i] of its slot. Causality comes from positions, so
+ * a pass may hold any mix of prompt chunks, one-token steps and drafts. Units are (run of up to QC consecutive
+ * tokens of one slot, head); scratch holds nthreads·QC·(capacity+16) floats. */
+void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
+                  const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
+                  int nthreads) {
+  const int half = D / 2;
+  for (int i = 0; i < M; i++) {
+    float* row = qkv + (size_t)i * ldq;
+    const float* cs = cos_t + (size_t)pos[i] * half;
+    const float* sn = sin_t + (size_t)pos[i] * half;
+    for (int h = 0; h < H + Hkv; h++) rope(row + (size_t)h * D, D, cs, sn);
+    const size_t p = (size_t)pos[i];
+    for (int g = 0; g < Hkv; g++) {
+      const size_t head = (size_t)slot[i] * kv->slot_stride + (size_t)g * kv->head_stride;
+      const float* kr = row + (size_t)(H + g) * D;
+      const float* vr = row + (size_t)(H + Hkv + g) * D;
+      const size_t kt = head + (p / 16) * 16 * D + p % 16; /* key d of position p: [p/16][d][p%16] */
+      for (int d = 0; d < D; d++) {
+        store_kv(kv->k, kv->bf16, kt + (size_t)d * 16, kr[d]);
+        store_kv(kv->v, kv->bf16, head + p * D + d, vr[d]);
+      }
+    }
+  }
+  int* run_start = malloc((size_t)(M + 1) * sizeof(int)); /* runs of up to QC consecutive tokens in one slot */
+  if (!run_start) return;
+  int nruns = 0;
+  for (int i = 0; i < M; i++)
+    if (i == 0 || slot[i] != slot[i - 1] || i - run_start[nruns - 1] == QC) run_start[nruns++] = i;
+  run_start[nruns] = M;
+  attention_job job = {qkv, ldq, pos, slot, H, Hkv, D, kv, out, ldo, scratch, run_start, nruns};
+  parallel(attention_unit, &job, nruns * H, nthreads);
+  free(run_start);
+}
+
+/* ------------------------------------------------------------------------------------------ the decoder */
+
+static size_t widest_input(const sw_model* m) {
+  const size_t A = (size_t)m->n_heads * m->head_dim;
+  size_t K = (size_t)m->hidden > (size_t)m->inter ? (size_t)m->hidden : (size_t)m->inter;
+  return K > A ? K : A;
+}
+
+/* Floats of scratch sw_forward needs for M tokens. */
+long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads) {
+  if (nthreads < 1) nthreads = 1;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  const long C = m->hidden, QKV = (long)(m->n_heads + 2 * m->n_kv) * m->head_dim, A = (long)m->n_heads * m->head_dim;
+  const long attention = (long)nthreads * QC * (capacity + 16);
+  const long linear = (long)gemm_scratch_floats(M, (int)widest_input(m), nthreads);
+  return 2 * M * C + M * QKV + M * A + 3L * M * m->inter + (attention > linear ? attention : linear) + 64;
+}
+
+/* Run M tokens (token i at position pos[i] of cache slot slot[i]) through the decoder and write the logits of
+ * rows out_rows[0..n_out) into logits (n_out × vocab). */
+int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
+               const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, float* scratch, int nthreads) {
+  const int C = m->hidden, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, I = m->inter;
+  const int QKV = (H + 2 * Hkv) * D, A = H * D;
+  if (nthreads < 1) nthreads = 1;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (cache->capacity % 16 || cache->capacity < cache->max_len) return -5;
+  for (int i = 0; i < M; i++) {
+    if (pos[i] < 0 || pos[i] >= cache->max_len || pos[i] >= m->max_pos) return -1;
+    if (slot[i] < 0 || slot[i] >= cache->slots) return -2;
+    if (tokens[i] < 0 || tokens[i] >= m->vocab) return -3;
+  }
+  for (int r = 0; r < n_out; r++)
+    if (out_rows[r] < 0 || out_rows[r] >= M) return -4;
+  float* x = scratch;
+  float* h = x + (size_t)M * C;
+  float* qkv = h + (size_t)M * C;
+  float* att = qkv + (size_t)M * QKV;
+  float* gu = att + (size_t)M * A;
+  float* act = gu + (size_t)M * 2 * I;
+  float* sc = act + (size_t)M * I; /* attention's or the linear layers' scratch, never both at once */
+  sw_embed(m->embed, tokens, M, x, C);
+  const size_t el = cache->bf16 ? 2 : 4;
+  const int64_t head_stride = (int64_t)cache->capacity * D, slot_stride = head_stride * Hkv;
+  const size_t layer_bytes = (size_t)slot_stride * cache->slots * el;
+  for (int l = 0; l < m->n_layers; l++) {
+    const sw_layer* L = m->layers + l;
+    sw_kv kv = {(char*)cache->k + l * layer_bytes, (char*)cache->v + l * layer_bytes, cache->bf16, cache->capacity,
+                slot_stride, head_stride};
+    sw_rmsnorm(x, M, C, C, L->attn_norm, m->eps, h, C);
+    gemm(&L->qkv, h, M, C, qkv, QKV, 0, nthreads, sc);
+    sw_attention(qkv, M, QKV, pos, slot, H, Hkv, D, m->cos_t, m->sin_t, &kv, att, A, sc, nthreads);
+    gemm(&L->o, att, M, A, x, C, 1, nthreads, sc);
+    sw_rmsnorm(x, M, C, C, L->ffn_norm, m->eps, h, C);
+    gemm(&L->gate_up, h, M, C, gu, 2 * I, 0, nthreads, sc);
+    sw_silu_mul(gu, M, I, act);
+    gemm(&L->down, act, M, I, x, C, 1, nthreads, sc);
+  }
+  if (n_out > 0) {
+    float* sel = h; /* n_out ≤ M rows */
+    for (int r = 0; r < n_out; r++)
+      sw_rmsnorm(x + (size_t)out_rows[r] * C, 1, C, C, m->norm, m->eps, sel + (size_t)r * C, C);
+    gemm(m->head, sel, n_out, C, logits, m->vocab, 0, nthreads, sc);
+  }
+  return 0;
+}

@@ -1,0 +1,197 @@
+/* The avx2 variant (x86-64-v3: AVX2, FMA, F16C): kernels.h's contract on 16 registers of 8 lanes.
+ *
+ * One 32-bit lane is one output column, so no result needs a horizontal sum: the fp32 path broadcasts an input and
+ * fuses it into 8 columns at a time; the int8 path multiplies 4 inputs of 8 columns at a time with vpmaddubsw
+ * (unsigned weights × signed activations → int16 pairs) and vpmaddwd (pairs → int32). Register blocking: rows
+ * × column vectors sized so that accumulators, weights and the broadcast fit the 16 ymm registers. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+const char* sw_variant(void) { return "avx2"; }
+const char* sw_variant_detail(void) { return "avx2 (x86-64-v3: AVX2, FMA, F16C)"; }
+
+/* ------------------------------------------------------------------------------------- fp32 activations */
+
+/* R rows × 32 columns: 4R accumulators + 4 weight vectors + 1 broadcast. */
+static inline __attribute__((always_inline)) void f32_rows(const float* tile, int kc, const float* x, int ldx,
+                                                           float* acc, const int R) {
+  __m256 a[3][4];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm256_loadu_ps(acc + r * 32 + 8 * c);
+  for (int k = 0; k < kc; k++) {
+    const float* w = tile + (size_t)k * 32;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
+                 w3 = _mm256_loadu_ps(w + 24);
+    for (int r = 0; r < R; r++) {
+      const __m256 xb = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
+      a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(xb, w2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(xb, w3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + r * 32 + 8 * c, a[r][c]);
+}
+
+void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, float* acc) {
+  int r = 0;
+  for (; r + 3 <= M; r += 3) f32_rows(tile, kc, x + (size_t)r * ldx, ldx, acc + r * 32, 3);
+  if (M - r == 2) f32_rows(tile, kc, x + (size_t)r * ldx, ldx, acc + r * 32, 2);
+  if (M - r == 1) f32_rows(tile, kc, x + (size_t)r * ldx, ldx, acc + r * 32, 1);
+}
+
+/* ------------------------------------------------------------------------------------- int8 activations */
+
+#ifndef PF_DIST
+#define PF_DIST 2048 /* software prefetch distance in a block's weight stream, bytes */
+#endif
+
+static inline __m256 scales8(const sw_linear* L, const void* base, size_t at) {
+  if (L->half_scales) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + at)));
+  return _mm256_loadu_ps((const float*)base + at);
+}
+
+static inline __m256i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+/* Q4, R rows × NH halves of the block. Half h holds the bytes of lanes 8h..8h+7 of each 4-input group: columns
+ * 8h..8h+7 (low nibbles) and 16+8h..16+8h+7 (high). int16 sums of a whole 32-block cannot overflow: 8 vpmaddubsw
+ * results of at most 2·15·127 each. */
+static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int h0, const int NH, const int R) {
+  const int K = L->k, KB = K / 32;
+  const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][2][2];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  for (int kb = 0; kb < KB; kb++) {
+    __m256i s[4][2][2];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++) s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
+    const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    for (int g = 0; g < 8; g++) {
+      _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
+      for (int h = 0; h < NH; h++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wb + g * 64 + (h0 + h) * 32));
+        const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+          s[r][h][0] = _mm256_add_epi16(s[r][h][0], _mm256_maddubs_epi16(lo, xb));
+          s[r][h][1] = _mm256_add_epi16(s[r][h][1], _mm256_maddubs_epi16(hi, xb));
+        }
+      }
+    }
+    const size_t at = ((size_t)blk * KB + kb) * 32;
+    for (int h = 0; h < NH; h++) {
+      const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
+      const __m256 d_lo = scales8(L, L->d, at + c_lo), d_hi = scales8(L, L->d, at + c_hi);
+      const __m256 m_lo = scales8(L, L->m, at + c_lo), m_hi = scales8(L, L->m, at + c_hi);
+      for (int r = 0; r < R; r++) {
+        const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
+        const __m256 sx = _mm256_broadcast_ss(X->s + (size_t)r * KB + kb);
+        const __m256 i_lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h][0], ones));
+        const __m256 i_hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h][1], ones));
+        acc[r][h][0] = _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(i_lo, _mm256_mul_ps(d_lo, dx), acc[r][h][0]));
+        acc[r][h][1] = _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(i_hi, _mm256_mul_ps(d_hi, dx), acc[r][h][1]));
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) {
+      _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
+      _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
+    }
+}
+
+/* Q8, R rows × NH halves (half h: columns 16h..16h+15, two vectors). Signed weights: vpmaddubsw takes |w| and
+ * the activations with w's sign (vpsignb), each pair of products at most 2·128·127 in magnitude. */
+static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int h0, const int NH, const int R) {
+  const int K = L->k, KB = K / 32;
+  const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4][2][2];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  for (int kb = 0; kb < KB; kb++) {
+    __m256i s[4][2][2];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++) s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
+    const int8_t* wb = W + (size_t)kb * 8 * 128;
+    for (int g = 0; g < 8; g++) {
+      _mm_prefetch((const char*)(wb + g * 128 + PF_DIST), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wb + g * 128 + 64 + PF_DIST), _MM_HINT_T0);
+      for (int h = 0; h < NH; h++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wb + g * 128 + (h0 + h) * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wb + g * 128 + (h0 + h) * 64 + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+          const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+          const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+          s[r][h][0] = _mm256_add_epi32(s[r][h][0], _mm256_madd_epi16(p0, ones));
+          s[r][h][1] = _mm256_add_epi32(s[r][h][1], _mm256_madd_epi16(p1, ones));
+        }
+      }
+    }
+    const size_t at = ((size_t)blk * KB + kb) * 32;
+    for (int h = 0; h < NH; h++) {
+      const __m256 d0 = scales8(L, L->d, at + 16 * (h0 + h)), d1 = scales8(L, L->d, at + 16 * (h0 + h) + 8);
+      for (int r = 0; r < R; r++) {
+        const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
+        acc[r][h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d0, dx), acc[r][h][0]);
+        acc[r][h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]), _mm256_mul_ps(d1, dx), acc[r][h][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) {
+      _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h), acc[r][h][0]);
+      _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h) + 8, acc[r][h][1]);
+    }
+}
+
+/* Rows in tiles of at most ROWS_TILE, as even as M allows. A tile of one or two rows sweeps both halves of the
+ * block at once (each weight line is read once, the broadcast serves both); larger tiles one half at a time, the
+ * block's weights coming from L1 the second time. */
+#ifndef ROWS_TILE
+#define ROWS_TILE 3
+#endif
+#define TILE(KERNEL, R)                                 \
+  do {                                                  \
+    if ((R) <= 2)                                       \
+      KERNEL(L, blk, &Xr, out + r * 32, 0, 2, (R));     \
+    else                                                \
+      for (int h = 0; h < 2; h++) KERNEL(L, blk, &Xr, out + r * 32, h, 1, (R)); \
+  } while (0)
+#define DISPATCH(KERNEL)                                                                                      \
+  do {                                                                                                        \
+    const int tiles = (M + ROWS_TILE - 1) / ROWS_TILE;                                                        \
+    for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
+      const int R = (M - r) / (tiles - i);                                                                    \
+      const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
+                           X->sum + (size_t)r * KB, K};                                                       \
+      switch (R) {                                                                                            \
+        case 1: TILE(KERNEL, 1); break;                                                                       \
+        case 2: TILE(KERNEL, 2); break;                                                                       \
+        case 3: TILE(KERNEL, 3); break;                                                                       \
+        default: TILE(KERNEL, 4); break;                                                                      \
+      }                                                                                                       \
+      r += R;                                                                                                 \
+    }                                                                                                         \
+  } while (0)
+
+void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
+  const int K = L->k, KB = K / 32;
+  if (L->fmt == SW_Q4)
+    DISPATCH(q4_rows);
+  else
+    DISPATCH(q8_rows);
+}

@@ -1,0 +1,210 @@
+/* The avx512 variant (x86-64-v4: AVX-512 F/BW/DQ/VL; VNNI's vpdpbusd where the CPU has it): kernels.h's contract
+ * on 32 registers of 16 lanes.
+ *
+ * One 32-bit lane is one output column, so one register covers half a 32-column block and one 64-byte load of Q4
+ * weights covers a whole 4-input group of the block (low nibbles: columns 0-15, high: 16-31). With VNNI, vpdpbusd
+ * multiplies and sums 4 unsigned × signed bytes into each int32 lane; without it, vpmaddubsw + vpmaddwd do the
+ * same in two steps. Both give the same integers, so the same results. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+const char* sw_variant(void) { return "avx512"; }
+#if defined(__AVX512VNNI__)
+const char* sw_variant_detail(void) { return "avx512 (x86-64-v4, VNNI)"; }
+#else
+const char* sw_variant_detail(void) { return "avx512 (x86-64-v4, no VNNI)"; }
+#endif
+
+/* ------------------------------------------------------------------------------------- fp32 activations */
+
+/* R rows × 32 columns: 2R accumulators + 2 weight vectors + 1 broadcast. */
+static inline __attribute__((always_inline)) void f32_rows(const float* tile, int kc, const float* x, int ldx,
+                                                           float* acc, const int R) {
+  __m512 a[12][2];
+  for (int r = 0; r < R; r++) {
+    a[r][0] = _mm512_loadu_ps(acc + r * 32);
+    a[r][1] = _mm512_loadu_ps(acc + r * 32 + 16);
+  }
+  for (int k = 0; k < kc; k++) {
+    const __m512 w0 = _mm512_loadu_ps(tile + (size_t)k * 32), w1 = _mm512_loadu_ps(tile + (size_t)k * 32 + 16);
+    for (int r = 0; r < R; r++) {
+      const __m512 xb = _mm512_set1_ps(x[(size_t)r * ldx + k]);
+      a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(acc + r * 32, a[r][0]);
+    _mm512_storeu_ps(acc + r * 32 + 16, a[r][1]);
+  }
+}
+
+#define F32_TILE 12
+void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, float* acc) {
+  int r = 0;
+  for (; r + F32_TILE <= M; r += F32_TILE) f32_rows(tile, kc, x + (size_t)r * ldx, ldx, acc + r * 32, F32_TILE);
+  switch (M - r) {
+#define TAIL(n) \
+  case n: f32_rows(tile, kc, x + (size_t)r * ldx, ldx, acc + r * 32, n); break;
+    TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+#undef TAIL
+    default: break;
+  }
+}
+
+/* ------------------------------------------------------------------------------------- int8 activations */
+
+#ifndef ROWS_TILE
+#define ROWS_TILE 6 /* rows sharing each weight register: 4 accumulators a row, 32 registers */
+#endif
+#ifndef PF_DIST
+#define PF_DIST 2048 /* software prefetch distance in a block's weight stream, bytes */
+#endif
+
+static inline __m512 scales16(const sw_linear* L, const void* base, size_t at) {
+  if (L->half_scales) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + at)));
+  return _mm512_loadu_ps((const float*)base + at);
+}
+
+static inline __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+/* Σ over groups of u8 × s8 products into int32 lanes: VNNI's one instruction, or its two-step equivalent (int16
+ * pairs cannot saturate here: Q4's nibbles are at most 15, Q8's offset weights go through the sign path). */
+#if defined(__AVX512VNNI__)
+#define DOT_U8S8(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#else
+#define DOT_U8S8(acc, u, s) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), ones))
+#endif
+
+/* Q4, R rows × the whole block (low nibbles: columns 0-15, high: 16-31). */
+static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R) {
+  const int K = L->k, KB = K / 32;
+  const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#if !defined(__AVX512VNNI__)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
+  __m512 acc[6][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int kb = 0; kb < KB; kb++) {
+    __m512i s[6][2];
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    for (int g = 0; g < 8; g++) {
+      _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512((const void*)(wb + g * 64));
+      const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      for (int r = 0; r < R; r++) {
+        const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+        s[r][0] = DOT_U8S8(s[r][0], lo, xb);
+        s[r][1] = DOT_U8S8(s[r][1], hi, xb);
+      }
+    }
+    const size_t at = ((size_t)blk * KB + kb) * 32;
+    const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
+    const __m512 m0 = scales16(L, L->m, at), m1 = scales16(L, L->m, at + 16);
+    for (int r = 0; r < R; r++) {
+      const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]), sx = _mm512_set1_ps(X->s[(size_t)r * KB + kb]);
+      acc[r][0] = _mm512_fmadd_ps(m0, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(m1, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(out + r * 32, acc[r][0]);
+    _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
+  }
+}
+
+/* Q8, R rows × the whole block (two vectors of 16 columns). With VNNI the signed weights go in offset by 128
+ * (w ^ 0x80 as unsigned) and 128·Σq of the block's activations is taken back out; without it, vpmaddubsw takes
+ * |w| and the activations negated where w < 0. Both are the exact integer Σ qw·qx. */
+static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R) {
+  const int K = L->k, KB = K / 32;
+  const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
+#if defined(__AVX512VNNI__)
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+#else
+  const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+#endif
+  __m512 acc[6][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int kb = 0; kb < KB; kb++) {
+    __m512i s[6][2];
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    const int8_t* wb = W + (size_t)kb * 8 * 128;
+    for (int g = 0; g < 8; g++) {
+      _mm_prefetch((const char*)(wb + g * 128 + PF_DIST), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wb + g * 128 + 64 + PF_DIST), _MM_HINT_T0);
+      const __m512i w0 = _mm512_loadu_si512((const void*)(wb + g * 128));
+      const __m512i w1 = _mm512_loadu_si512((const void*)(wb + g * 128 + 64));
+#if defined(__AVX512VNNI__)
+      const __m512i u0 = _mm512_xor_si512(w0, flip), u1 = _mm512_xor_si512(w1, flip);
+      for (int r = 0; r < R; r++) {
+        const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+        s[r][0] = _mm512_dpbusd_epi32(s[r][0], u0, xb);
+        s[r][1] = _mm512_dpbusd_epi32(s[r][1], u1, xb);
+      }
+#else
+      const __m512i a0 = _mm512_abs_epi8(w0), a1 = _mm512_abs_epi8(w1);
+      const __mmask64 n0 = _mm512_movepi8_mask(w0), n1 = _mm512_movepi8_mask(w1);
+      for (int r = 0; r < R; r++) {
+        const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+        s[r][0] = DOT_U8S8(s[r][0], a0, _mm512_mask_sub_epi8(xb, n0, zero, xb));
+        s[r][1] = DOT_U8S8(s[r][1], a1, _mm512_mask_sub_epi8(xb, n1, zero, xb));
+      }
+#endif
+    }
+    const size_t at = ((size_t)blk * KB + kb) * 32;
+    const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
+    for (int r = 0; r < R; r++) {
+      const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
+#if defined(__AVX512VNNI__)
+      const __m512i off = _mm512_set1_epi32(128 * X->sum[(size_t)r * KB + kb]);
+      s[r][0] = _mm512_sub_epi32(s[r][0], off);
+      s[r][1] = _mm512_sub_epi32(s[r][1], off);
+#endif
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(out + r * 32, acc[r][0]);
+    _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
+  }
+}
+
+/* Rows go in tiles of at most ROWS_TILE, as even as M allows (9 rows: 5 + 4, not 6 + 3). */
+#define DISPATCH(KERNEL)                                                                                      \
+  do {                                                                                                        \
+    const int tiles = (M + ROWS_TILE - 1) / ROWS_TILE;                                                        \
+    for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
+      const int R = (M - r) / (tiles - i);                                                                    \
+      const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
+                           X->sum + (size_t)r * KB, K};                                                       \
+      switch (R) {                                                                                            \
+        case 1: KERNEL(L, blk, &Xr, out + r * 32, 1); break;                                                  \
+        case 2: KERNEL(L, blk, &Xr, out + r * 32, 2); break;                                                  \
+        case 3: KERNEL(L, blk, &Xr, out + r * 32, 3); break;                                                  \
+        case 4: KERNEL(L, blk, &Xr, out + r * 32, 4); break;                                                  \
+        case 5: KERNEL(L, blk, &Xr, out + r * 32, 5); break;                                                  \
+        default: KERNEL(L, blk, &Xr, out + r * 32, 6); break;                                                 \
+      }                                                                                                       \
+      r += R;                                                                                                 \
+    }                                                                                                         \
+  } while (0)
+
+void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
+  const int K = L->k, KB = K / 32;
+  if (L->fmt == SW_Q4)
+    DISPATCH(q4_rows);
+  else
+    DISPATCH(q8_rows);
+}

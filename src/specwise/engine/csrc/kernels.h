@@ -1,0 +1,157 @@
+/* specwise CPU kernels: the contract every variant keeps, the block layouts, and what a variant provides.
+ *
+ * A kernel library is decoder.c (everything but the matrix products: thread pool, norms, RoPE, attention, the
+ * decoder loop) plus one gemm_<variant>.c, compiled with that variant's flags:
+ *
+ *   generic  portable C, no intrinsics: correct on any CPU the compiler targets
+ *   avx2     x86-64-v3 (AVX2, FMA, F16C)
+ *   avx512   x86-64-v4 (AVX-512 F/BW/DQ/VL), with VNNI's vpdpbusd where the CPU has it
+ *   neon     aarch64 Advanced SIMD, with the dot-product extension (sdot) where the CPU has it
+ *
+ * kernels.py picks one from the CPU's features (or $SPECWISE_KERNELS) and builds it once into the cache.
+ *
+ * THE CONTRACT. Every output element is computed by exactly one fixed sequence of operations, whatever else is in
+ * the pass (how many rows, which row it is, which sequences and positions share it), however many threads run and
+ * however the columns are shared among them, and in whichever variant runs. So a row's logits are bitwise the same
+ * alone or batched, in a one-token step or a verification pass, on every CPU: speculative greedy output equals
+ * plain greedy output by construction, and a result does not depend on the kernel variant that produced it.
+ *
+ *  1. No floating-point contraction is left to the compiler (-ffp-contract=off): a fused multiply-add is written
+ *     as one (sw_fma, the variants' fma instructions), every other product and sum is rounded on its own.
+ *  2. A linear layer's output element (row r, column c) is computed by one thread over the whole input (K is never
+ *     split), in one of two ways, chosen per layer (sw_linear.act):
+ *
+ *     fp32 activations (every format; the reference, exact to the weights):
+ *         acc = 0;  for k = 0 .. K-1:  acc = fma(x[r][k], w[c][k], acc)
+ *       where w is the dequantised weight: F32 as stored, BF16 widened, Q8 q·d, Q4 q·d + m (q·d is exact in fp32
+ *       for these widths, so w has one rounding at most: PackedLinear.dequantize() in kernels.py gives the same).
+ *
+ *     int8 activations (Q8 and Q4 weights; llama.cpp's scheme, its own precision): each row is quantised per
+ *     32-block b of its inputs (sw_quantize_rows: amax = max|x|, dx = amax / 127, id = dx ? 1 / dx : 0,
+ *     q = rint(x · id) clamped to ±127, sx = dx · Σq), then
+ *         acc = 0;  for b = 0 .. K/32-1:
+ *             isum = Σ_k qw[c][k] · qx[r][k] over the block            (exact, in integers: any order)
+ *             acc = fma((float) isum, dw[c][b] · dx[r][b], acc)
+ *             Q4 only:  acc = fma(mw[c][b], sx[r][b], acc)
+ *
+ *     Then y = acc + bias[c] (when there is a bias), or y += that when the layer accumulates into y.
+ *  3. Norms, softmax and the rest reduce each row in one fixed order (decoder.c), on 16-lane vectors whose lanes
+ *     are computed element-wise, so their arithmetic does not depend on the vector width either.
+ *
+ * BLOCK LAYOUTS. Columns (outputs) come in blocks of 32, zero-padded to a whole block; nb = ceil(n / 32). Inside a
+ * block, inputs run in order; integer formats group them by 4 so that one 32-bit lane holds one column's 4
+ * consecutive inputs (the unit of vpmaddubsw+vpmaddwd, vpdpbusd and sdot):
+ *
+ *   F32   w [nb][K][32]  float                 element (k, c)
+ *   BF16  w [nb][K][32]  bfloat16
+ *   Q8    w [nb][K/4][32][4]  int8             element (k, c) at [k/4][c][k%4];  w = q·d
+ *   Q4    w [nb][K/4][16][4]  uint8            byte [k/4][j][k%4] holds column j (low nibble) and column j+16
+ *                                              (high nibble), q in 0..15;  w = q·d + m
+ *   scales and mins (Q8, Q4)  d, m [nb][K/32][32]  fp16 (half_scales) or fp32
+ */
+#ifndef SPECWISE_KERNELS_H
+#define SPECWISE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SW_ABI 3
+
+enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3 };
+
+typedef struct {
+  int32_t fmt, n, k, nblocks;
+  int32_t half_scales; /* d and m are fp16 (GGUF's own scales; fewer bytes per step) instead of fp32 */
+  int32_t act;         /* 1: int8 activations (Q8, Q4 only), 0: fp32 activations */
+  const void* w;
+  const void* d;
+  const void* m;
+  const float* bias;
+} sw_linear;
+
+/* Rows quantised for the int8 path: q [M][K], and per row and 32-block the scale dx and sx = dx · Σq. */
+typedef struct {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* sum; /* Σq per row and block, as an integer (the VNNI variant's offset correction) */
+  int K;
+} sw_qrows;
+
+#define SW_MAX_ROWS 128 /* rows a variant is handed at once (the decoder splits longer passes) */
+#define SW_KC 256       /* inputs per dequantised tile on the fp32 path of BF16/Q8/Q4 weights */
+
+/* The KV cache of one layer. Keys are kept transposed in blocks of 16 positions, [slot][kv head][capacity/16][D][16],
+ * so that the scores of 16 keys are one chain of fused multiply-adds over the head's dimensions, lane = key (no
+ * horizontal sums); values are [slot][kv head][capacity][D]. bf16 or fp32. */
+typedef struct {
+  void* k;
+  void* v;
+  int32_t bf16, capacity;
+  int64_t slot_stride, head_stride; /* elements: Hkv·capacity·D, capacity·D */
+} sw_kv;
+
+typedef struct {
+  const float* attn_norm;
+  sw_linear qkv, o; /* q, k and v fused; the attention output */
+  const float* ffn_norm;
+  sw_linear gate_up, down; /* gate and up fused */
+} sw_layer;
+
+typedef struct {
+  int32_t n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos;
+  float eps;
+  const sw_layer* layers;
+  const sw_linear* embed; /* in head layout: its rows are the vocabulary */
+  const float* norm;
+  const sw_linear* head;
+  const float* cos_t; /* RoPE [max_pos][head_dim/2] */
+  const float* sin_t;
+} sw_model;
+
+typedef struct {
+  void* k; /* per layer: sw_kv's layouts, each [slots][n_kv][capacity·head_dim] */
+  void* v;
+  int32_t bf16, slots, max_len, capacity; /* positions allowed, positions allocated (a multiple of 16) */
+} sw_cache;
+
+/* --- the library's entry points (decoder.c) ------------------------------------------------------------------ */
+
+int sw_abi(void);
+/* Floats of scratch sw_forward needs for M tokens. */
+long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads);
+/* Run M tokens (token i at position pos[i] of cache slot slot[i]) through the decoder and write the logits of rows
+ * out_rows[0..n_out) into logits (n_out × vocab). 0, or a negative code for an input it refuses. */
+int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
+               const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, float* scratch, int nthreads);
+/* y (M×n) = x (M×k)·Wᵀ (+ bias), or y += that when accumulate. */
+int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads);
+void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum);
+uint64_t sw_stream(const void* buf, size_t bytes, int nthreads);
+void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo);
+void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo);
+void sw_silu_mul(const float* gu, int M, int I, float* out);
+void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
+                  const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
+                  int nthreads);
+
+/* --- what each gemm_<variant>.c provides --------------------------------------------------------------------- */
+
+/* The variant's name as $SPECWISE_KERNELS spells it, and what it was built with (e.g. "avx512 (vnni)"). */
+const char* sw_variant(void);
+const char* sw_variant_detail(void);
+
+/* fp32 activations: acc[r][0..31] (r < M) continues its chains over the kc inputs of a tile ([kc][32] fp32 weights
+ * of one column block), x rows at x + r·ldx. acc is read and written back: a caller may cut K into tiles. */
+void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, float* acc);
+
+/* int8 activations: out[r][0..31] = the contract's acc for rows 0..M-1 of X and column block blk (Q8 or Q4). */
+void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out);
+
+/* --- what decoder.c provides to the variants and to its callers ---------------------------------------------- */
+
+float sw_f16_to_f32(uint16_t h);
+
+static inline float sw_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+#endif

@@ -1,0 +1,231 @@
+/* The kernels' self-test: a program linked with one variant's library sources, for variants that cannot be loaded
+ * into this Python (NEON, under qemu-aarch64) and to compare variants with each other.
+ *
+ * Random weights in every format (full int8 range, subnormal fp16 scales included) and random activations, seeded:
+ * it checks that every GEMM row and every decoder row is bitwise the same whatever else is in the pass and however
+ * many threads run (kernels.h's contract), and prints one FNV-1a hash per case — which must be the same on every
+ * variant. Exit status 1 on any difference within the run. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static uint64_t state = 0x5eed;
+
+static uint64_t next(void) { /* splitmix64 */
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static float uniform(void) { return (float)(next() >> 40) * (2.0f / 16777216.0f) - 1.0f; } /* [-1, 1) */
+
+static uint16_t half(int allow_subnormal) { /* a random fp16 scale: normal, 2^-14..2^-6, either sign */
+  const uint16_t sign = (uint16_t)((next() & 1) << 15), man = (uint16_t)(next() & 1023);
+  const uint16_t exp = allow_subnormal && next() % 8 == 0 ? 0 : (uint16_t)(1 + next() % 9);
+  return sign | (uint16_t)(exp << 10) | man;
+}
+
+static uint64_t fnv(const void* p, size_t n, uint64_t h) {
+  const unsigned char* b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+
+static int failures = 0;
+
+static void expect(int same, const char* what, const char* detail) {
+  if (!same) {
+    printf("DIFFERS %s: %s\n", what, detail);
+    failures++;
+  }
+}
+
+/* A linear layer n × k in `fmt` with random contents; the buffers are leaked (the process is short). */
+static sw_linear make_linear(int fmt, int n, int k, int half_scales, int act, int bias) {
+  const int nb = (n + 31) / 32, KB = k / 32;
+  sw_linear L = {fmt, n, k, nb, half_scales, act, NULL, NULL, NULL, NULL};
+  const size_t els = (size_t)nb * k * 32;
+  if (fmt == SW_F32) {
+    float* w = malloc(els * 4);
+    for (size_t i = 0; i < els; i++) w[i] = 0.1f * uniform();
+    L.w = w;
+  } else if (fmt == SW_BF16) {
+    uint16_t* w = malloc(els * 2);
+    for (size_t i = 0; i < els; i++) {
+      const float f = 0.1f * uniform();
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      w[i] = (uint16_t)(u >> 16);
+    }
+    L.w = w;
+  } else {
+    const size_t bytes = fmt == SW_Q8 ? els : els / 2;
+    uint8_t* w = malloc(bytes);
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)next();
+    L.w = w;
+    const size_t ns = (size_t)nb * KB * 32;
+    void* scales[2] = {NULL, NULL};
+    for (int s = 0; s < (fmt == SW_Q4 ? 2 : 1); s++) {
+      if (half_scales) {
+        uint16_t* d = malloc(ns * 2);
+        for (size_t i = 0; i < ns; i++) d[i] = half(1);
+        scales[s] = d;
+      } else {
+        float* d = malloc(ns * 4);
+        for (size_t i = 0; i < ns; i++) d[i] = 0.004f * uniform();
+        scales[s] = d;
+      }
+    }
+    L.d = scales[0];
+    L.m = scales[1];
+  }
+  if (bias) {
+    float* b = malloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) b[i] = uniform();
+    L.bias = b;
+  }
+  return L;
+}
+
+static void gemm_case(const char* name, int fmt, int half_scales, int act) {
+  enum { M = 23, N = 200, K = 128 };
+  const sw_linear L = make_linear(fmt, N, K, half_scales, act, 1);
+  static float x[M * K], full[M * N], part[M * N], y0[M * N], acc[M * N];
+  for (int i = 0; i < M * K; i++) x[i] = 2.0f * uniform();
+  sw_gemm(&L, x, M, K, full, N, 0, 2);
+  char detail[64];
+  for (int m = 1; m <= M; m++) {
+    sw_gemm(&L, x, m, K, part, N, 0, 2);
+    snprintf(detail, sizeof detail, "the first %d of %d rows", m, M);
+    expect(!memcmp(part, full, (size_t)m * N * 4), name, detail);
+  }
+  for (int r = 0; r < M; r++) {
+    sw_gemm(&L, x + (size_t)r * K, 1, K, part, N, 0, 2);
+    snprintf(detail, sizeof detail, "row %d alone", r);
+    expect(!memcmp(part, full + (size_t)r * N, N * 4), name, detail);
+  }
+  sw_gemm(&L, x, M, K, part, N, 0, 1);
+  expect(!memcmp(part, full, sizeof full), name, "one thread against two");
+  for (int i = 0; i < M * N; i++) acc[i] = y0[i] = uniform();
+  sw_gemm(&L, x, M, K, acc, N, 1, 2);
+  int same = 1;
+  for (int i = 0; i < M * N; i++) same &= acc[i] == y0[i] + full[i];
+  expect(same, name, "accumulating into y adds the same result");
+  printf("%s %016llx\n", name, (unsigned long long)fnv(full, sizeof full, 0xcbf29ce484222325ull));
+}
+
+/* --- a tiny decoder: every row's logits alone, in one pass and beside another sequence ----------------------- */
+
+enum { LAYERS = 2, C = 64, I = 128, H = 4, HKV = 2, D = 16, V = 100, POS = 64, SLOTS = 4 };
+
+typedef struct {
+  sw_model m;
+  sw_cache cache;
+  size_t cache_bytes;
+  float* scratch;
+} tiny;
+
+static float* norm_weights(void) {
+  float* w = malloc(C * 4);
+  for (int i = 0; i < C; i++) w[i] = 1.0f + 0.1f * uniform();
+  return w;
+}
+
+static tiny make_tiny(int layer_fmt, int head_fmt, int act, int kv_bf16) {
+  tiny t;
+  sw_layer* layers = malloc(sizeof(sw_layer) * LAYERS);
+  for (int l = 0; l < LAYERS; l++) {
+    layers[l].attn_norm = norm_weights();
+    layers[l].qkv = make_linear(layer_fmt, (H + 2 * HKV) * D, C, 1, act, 0);
+    layers[l].o = make_linear(layer_fmt, C, H * D, 1, act, 0);
+    layers[l].ffn_norm = norm_weights();
+    layers[l].gate_up = make_linear(layer_fmt, 2 * I, C, 1, act, 0);
+    layers[l].down = make_linear(layer_fmt, C, I, 1, act, 0);
+  }
+  sw_linear* head = malloc(sizeof *head);
+  *head = make_linear(head_fmt, V, C, 1, act, 0);
+  float* cs = malloc(POS * D / 2 * 4);
+  float* sn = malloc(POS * D / 2 * 4);
+  for (int i = 0; i < POS * D / 2; i++) {
+    cs[i] = uniform();
+    sn[i] = uniform();
+  }
+  t.m = (sw_model){LAYERS, C, I, H, HKV, D, V, POS, 1e-5f, layers, head, norm_weights(), head, cs, sn};
+  t.cache_bytes = (size_t)LAYERS * SLOTS * HKV * POS * D * (kv_bf16 ? 2 : 4);
+  t.cache = (sw_cache){calloc(t.cache_bytes, 1), calloc(t.cache_bytes, 1), kv_bf16, SLOTS, POS, POS};
+  t.scratch = malloc((size_t)sw_scratch_floats(&t.m, 32, POS, 2) * 4);
+  return t;
+}
+
+static void run(tiny* t, int M, const int64_t* tok, const int64_t* pos, const int32_t* slot, float* logits, int T) {
+  int32_t rows[32];
+  for (int i = 0; i < M; i++) rows[i] = i;
+  if (sw_forward(&t->m, &t->cache, M, tok, pos, slot, M, rows, logits, t->scratch, T) != 0) {
+    printf("DIFFERS: sw_forward refused a valid pass\n");
+    failures++;
+  }
+}
+
+static void reset(tiny* t) {
+  memset(t->cache.k, 0, t->cache_bytes);
+  memset(t->cache.v, 0, t->cache_bytes);
+}
+
+static void decoder_case(const char* name, int layer_fmt, int head_fmt, int act, int kv_bf16) {
+  tiny t = make_tiny(layer_fmt, head_fmt, act, kv_bf16);
+  const int64_t prompt[7] = {5, 6, 7, 8, 9, 10, 11}, steps[8] = {12, 3, 4, 5, 30, 31, 2, 9};
+  const int64_t other[11] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  int64_t pos[32];
+  int32_t slot[32];
+  static float sink[32 * V], one[8 * V], got[8 * V];
+  /* one token at a time, in slot 0 */
+  for (int i = 0; i < 7; i++) pos[i] = i, slot[i] = 0;
+  run(&t, 7, prompt, pos, slot, sink, 2);
+  for (int i = 0; i < 8; i++) {
+    const int64_t p = 7 + i;
+    const int32_t s = 0;
+    run(&t, 1, steps + i, &p, &s, one + i * V, 2);
+  }
+  /* the same eight tokens verified in one pass, in slot 2 */
+  reset(&t);
+  for (int i = 0; i < 7; i++) slot[i] = 2;
+  run(&t, 7, prompt, pos, slot, sink, 2);
+  for (int i = 0; i < 8; i++) pos[i] = 7 + i, slot[i] = 2;
+  run(&t, 8, steps, pos, slot, got, 2);
+  expect(!memcmp(got, one, sizeof one), name, "a pass of 8 tokens against one at a time");
+  run(&t, 8, steps, pos, slot, got, 1);
+  expect(!memcmp(got, one, sizeof one), name, "one thread against two");
+  /* three of them beside two tokens of another sequence (slot 1), prompt in slot 3 */
+  reset(&t);
+  for (int i = 0; i < 11; i++) pos[i] = i, slot[i] = 1;
+  run(&t, 11, other, pos, slot, sink, 2);
+  for (int i = 0; i < 7; i++) pos[i] = i, slot[i] = 3;
+  run(&t, 7, prompt, pos, slot, sink, 2);
+  const int64_t mix[5] = {steps[0], steps[1], steps[2], other[0], other[1]};
+  const int64_t mix_pos[5] = {7, 8, 9, 11, 12};
+  const int32_t mix_slot[5] = {3, 3, 3, 1, 1};
+  run(&t, 5, mix, mix_pos, mix_slot, sink, 2);
+  expect(!memcmp(sink, one, 3 * V * 4), name, "three tokens beside another sequence's two");
+  printf("%s %016llx\n", name, (unsigned long long)fnv(one, sizeof one, 0xcbf29ce484222325ull));
+}
+
+int main(void) {
+  printf("variant %s\n", sw_variant_detail());
+  gemm_case("gemm-f32", SW_F32, 0, 0);
+  gemm_case("gemm-bf16", SW_BF16, 0, 0);
+  gemm_case("gemm-q8-fp32acts-f16scales", SW_Q8, 1, 0);
+  gemm_case("gemm-q8-int8acts-f16scales", SW_Q8, 1, 1);
+  gemm_case("gemm-q8-int8acts-f32scales", SW_Q8, 0, 1);
+  gemm_case("gemm-q4-fp32acts-f16scales", SW_Q4, 1, 0);
+  gemm_case("gemm-q4-int8acts-f16scales", SW_Q4, 1, 1);
+  gemm_case("gemm-q4-int8acts-f32scales", SW_Q4, 0, 1);
+  decoder_case("decoder-q4-q8head-int8acts", SW_Q4, SW_Q8, 1, 1);
+  decoder_case("decoder-q4-q8head-fp32acts", SW_Q4, SW_Q8, 0, 1);
+  decoder_case("decoder-bf16", SW_BF16, SW_BF16, 0, 1);
+  decoder_case("decoder-f32", SW_F32, SW_F32, 0, 0);
+  printf(failures ? "FAILED %d\n" : "ok\n", failures);
+  return failures != 0;
+}
