@@ -43,6 +43,7 @@ REQUIRES = {
 F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
 ACTIVATIONS = ("float32", "int8")  # what the linear layers of Q8/Q4 weights multiply: see csrc/kernels.h
+MAX_INPUT = 65536  # the widest layer input the int8 path takes (SW_MAX_INPUT)
 
 
 class Unsupported(SpecwiseError):

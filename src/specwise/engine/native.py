@@ -258,6 +258,10 @@ class NativeDecoder:
         self.cfg, self.weights = cfg, weights
         # int8 activations apply to 4- and 8-bit weights only: a model without any runs fp32 whatever was asked
         self.activations = "int8" if activations == "int8" and any(p.integer for p in weights.linears()) else "float32"
+        if self.activations == "int8" and max(p.k for p in weights.linears()) > K.MAX_INPUT:
+            raise K.Unsupported(
+                f"int8 activations take layers of at most {K.MAX_INPUT} inputs: use --activations float32"
+            )
         self.precision = weights.precision + (", int8 activations" if self.activations == "int8" else "")
         self.max_len = max_len or cfg.max_position_embeddings
         self.device = torch.device("cpu")

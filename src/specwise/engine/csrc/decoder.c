@@ -72,6 +72,45 @@ static inline vf load_bf16(const uint16_t* p) {
 }
 #endif
 
+static inline vi vsplat_i(int32_t a) { return (vi){0} + a; }
+
+/* Round to the nearest integer, ties to even (x86's and Arm's default rounding; exact for |v| < 2^31). The portable
+ * spelling, (v + 1.5·2²³) − 1.5·2²³, is the same rounding for |v| < 2²², which is all the int8 path asks. */
+#if defined(__AVX512F__)
+static inline vi vrint(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline vi vrint(vf v) { return (vi)_mm256_cvtps_epi32((__m256)v); }
+#elif defined(__aarch64__)
+static inline vi vrint(vf v) { return (vi)vcvtnq_s32_f32((float32x4_t)v); }
+#else
+static inline vi vrint(vf v) { return __builtin_convertvector((v + 12582912.0f) - 12582912.0f, vi); }
+#endif
+
+/* 32 int32 lanes known to be within ±127 (32/VW vectors) stored as 32 bytes. */
+#if defined(__AVX512F__)
+static inline void store_int8x32(int8_t* dst, const vi* v) {
+  _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8((__m512i)v[0]));
+  _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtepi32_epi8((__m512i)v[1]));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline void store_int8x32(int8_t* dst, const vi* v) {
+  const __m256i a = _mm256_packs_epi32((__m256i)v[0], (__m256i)v[1]), b = _mm256_packs_epi32((__m256i)v[2], (__m256i)v[3]);
+  const __m256i c = _mm256_packs_epi16(a, b); /* 128-bit lanes interleaved: 0 2 4 6 | 1 3 5 7 in dwords of 4 bytes */
+  _mm256_storeu_si256((__m256i*)dst, _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#elif defined(__aarch64__)
+static inline void store_int8x32(int8_t* dst, const vi* v) {
+  for (int i = 0; i < 8; i += 2) {
+    const int16x8_t h = vcombine_s16(vmovn_s32((int32x4_t)v[i]), vmovn_s32((int32x4_t)v[i + 1]));
+    vst1_s8(dst + 4 * i, vmovn_s16(h));
+  }
+}
+#else
+static inline void store_int8x32(int8_t* dst, const vi* v) {
+  for (int i = 0; i < 32 / VW; i++) *(vq_u*)(dst + i * VW) = __builtin_convertvector(v[i], vq);
+}
+#endif
+
 /* The sum of 16 floats in one fixed order: a tree, lane i with lane i+8, then i+4, i+2, i+1. */
 static inline float hsum16(const float* a) {
   float s8[8], s4[4], s2[2];
@@ -88,11 +127,6 @@ static inline float hsum_parts(const vf* acc) {
   return hsum16(a);
 }
 
-static inline float hmax(vf v) {
-  float r = v[0];
-  for (int i = 1; i < VW; i++) r = v[i] > r ? v[i] : r;
-  return r;
-}
 
 float sw_f16_to_f32(uint16_t h) {
   const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
@@ -137,7 +171,14 @@ static inline vf vfloor(vf x) {
 
 static inline vf vsel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* a > b ? a : b per lane (x86's max instructions are exactly this, NaN and signed zeros included). */
+#if defined(__AVX512F__)
+static inline vf vmaxv(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline vf vmaxv(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
 static inline vf vmaxv(vf a, vf b) { return vsel(a > b, a, b); }
+#endif
 
 /* exp over 16 lanes (Cephes' expf polynomial, Horner with fused steps): about 1 ulp; below −87 it is exactly 0
  * (no denormals, which cost a hundred cycles an operation on x86). */
@@ -289,36 +330,69 @@ static void parallel(unit_fn fn, void* ctx, int units, int T) {
 
 /* ------------------------------------------------------------------------------------ linear layers */
 
-/* Quantise rows for the int8 path (kernels.h, contract 2): per row and 32-block, dx, q, Σq and sx = dx·Σq.
- * rint(v) is (v + 1.5·2²³) − 1.5·2²³: exact round-half-to-even for |v| < 2²², in plain IEEE arithmetic. */
+/* Lane k + w of v moved to lane k (the upper lanes repeat): one step of a halving reduction, in registers. */
+#if VW == 16
+#define HALVES(F) F(8, ((vi){8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15})) \
+  F(4, ((vi){4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7})) F(2, ((vi){2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3})) \
+  F(1, ((vi){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}))
+#elif VW == 8
+#define HALVES(F) F(4, ((vi){4, 5, 6, 7, 4, 5, 6, 7})) F(2, ((vi){2, 3, 2, 3, 2, 3, 2, 3})) F(1, ((vi){1, 1, 1, 1, 1, 1, 1, 1}))
+#else
+#define HALVES(F) F(2, ((vi){2, 3, 2, 3})) F(1, ((vi){1, 1, 1, 1}))
+#endif
+
+/* The maximum of a vector's lanes (exact in any order). */
+static inline float hmax_tree(vf v) {
+#define STEP(w, mask) v = vmaxv(v, __builtin_shuffle(v, mask));
+  HALVES(STEP)
+#undef STEP
+  return v[0];
+}
+
+/* The sum of an integer vector's lanes (exact in any order). */
+static inline int32_t hsum_int(vi v) {
+#define STEP(w, mask) v = v + __builtin_shuffle(v, mask);
+  HALVES(STEP)
+#undef STEP
+  return v[0];
+}
+
+/* Quantise rows for the int8 path (kernels.h, contract 2): per row and 32-block, dx, q, Σq and sx = dx·Σq. The
+ * scales of a row's blocks are computed side by side (one vector division for VW blocks, not VW scalar ones). */
 static void quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum) {
   const int KB = K / 32;
-  const vf magic = vsplat(12582912.0f), top = vsplat(127.0f), bottom = vsplat(-127.0f);
-  for (int r = 0; r < M; r++)
+  const vi magnitude = vsplat_i(0x7fffffff);
+  float inv[SW_MAX_INPUT / 32 + VW];
+  for (int r = 0; r < M; r++) {
+    const float* xr = x + (size_t)r * ldx;
+    float* dr = d + (size_t)r * KB;
     for (int b = 0; b < KB; b++) {
-      const float* xb = x + (size_t)r * ldx + b * 32;
-      vf amaxv = {0};
-      for (int i = 0; i < 32; i += VW) {
-        const vf v = LD(xb + i);
-        amaxv = vmaxv(vsel(v < 0.0f, -v, v), amaxv);
-      }
-      const float amax = hmax(amaxv); /* exact in any order */
-      const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-      int8_t* qb = q + (size_t)r * K + b * 32;
-      vi total = {0};
-      for (int i = 0; i < 32; i += VW) {
-        vf v = (LD(xb + i) * id + magic) - magic;
-        v = vsel(v > top, top, vsel(v < bottom, bottom, v));
-        const vi qi = __builtin_convertvector(v, vi);
-        total += qi;
-        *(vq_u*)(qb + i) = __builtin_convertvector(qi, vq);
-      }
-      int32_t t = 0;
-      for (int l = 0; l < VW; l++) t += total[l];
-      d[(size_t)r * KB + b] = dx;
-      sum[(size_t)r * KB + b] = t;
-      s[(size_t)r * KB + b] = dx * (float)t;
+      vf amaxv = (vf)((vi)LD(xr + b * 32) & magnitude);
+      for (int i = VW; i < 32; i += VW) amaxv = vmaxv((vf)((vi)LD(xr + b * 32 + i) & magnitude), amaxv);
+      dr[b] = hmax_tree(amaxv);
     }
+    int b = 0;
+    for (; b + VW <= KB; b += VW) { /* dx = amax / 127, 1/dx where dx ≠ 0 */
+      const vf dx = LD(dr + b) / 127.0f;
+      ST(dr + b, dx);
+      ST(inv + b, vsel(dx != 0.0f, 1.0f / vsel(dx != 0.0f, dx, vsplat(1.0f)), vsplat(0.0f)));
+    }
+    for (; b < KB; b++) {
+      dr[b] = dr[b] / 127.0f;
+      inv[b] = dr[b] != 0.0f ? 1.0f / dr[b] : 0.0f;
+    }
+    for (b = 0; b < KB; b++) {
+      vi qi[32 / VW], total = {0};
+      for (int i = 0; i < 32 / VW; i++) { /* |x·id| ≤ 127 (x finite), so no clamp is needed */
+        qi[i] = vrint(LD(xr + b * 32 + i * VW) * inv[b]);
+        total += qi[i];
+      }
+      store_int8x32(q + (size_t)r * K + b * 32, qi);
+      const int32_t t = hsum_int(total);
+      sum[(size_t)r * KB + b] = t;
+      s[(size_t)r * KB + b] = dr[b] * (float)t;
+    }
+  }
 }
 
 /* 32 scales (or mins) of one block row as fp32. */
@@ -703,7 +777,7 @@ static void attend(const float* const* q, const int* n, const int nq, int D, con
     for (int j = n[i]; j < end; j++) si[j] = -INFINITY; /* the last block's keys past the query's own position */
     vf mxv = vsplat(-INFINITY);
     for (int j = 0; j < end; j += VW) mxv = vmaxv(LD(si + j), mxv);
-    const float mx = hmax(mxv); /* a maximum is exact in any order */
+    const float mx = hmax_tree(mxv);
     vf sumv[VP] = {{0}};
     for (int j0 = 0; j0 < end; j0 += 16)
       for (int p = 0; p < VP; p++) {

@@ -46,7 +46,7 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 /* ------------------------------------------------------------------------------------- int8 activations */
 
 #ifndef PF_DIST
-#define PF_DIST 2048 /* software prefetch distance in a block's weight stream, bytes */
+#define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
 #endif
 
 static inline __m256 scales8(const sw_linear* L, const void* base, size_t at) {

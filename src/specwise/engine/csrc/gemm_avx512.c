@@ -60,7 +60,7 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 #define ROWS_TILE 6 /* rows sharing each weight register: 4 accumulators a row, 32 registers */
 #endif
 #ifndef PF_DIST
-#define PF_DIST 2048 /* software prefetch distance in a block's weight stream, bytes */
+#define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
 #endif
 
 static inline __m512 scales16(const sw_linear* L, const void* base, size_t at) {

@@ -28,7 +28,7 @@
  *
  *     int8 activations (Q8 and Q4 weights; llama.cpp's scheme, its own precision): each row is quantised per
  *     32-block b of its inputs (sw_quantize_rows: amax = max|x|, dx = amax / 127, id = dx ? 1 / dx : 0,
- *     q = rint(x · id) clamped to ±127, sx = dx · Σq), then
+ *     q = rint(x · id), ties to even, within ±127 for finite x; sx = dx · Σq), then
  *         acc = 0;  for b = 0 .. K/32-1:
  *             isum = Σ_k qw[c][k] · qx[r][k] over the block            (exact, in integers: any order)
  *             acc = fma((float) isum, dw[c][b] · dx[r][b], acc)
@@ -78,7 +78,8 @@ typedef struct {
   int K;
 } sw_qrows;
 
-#define SW_MAX_ROWS 128 /* rows a variant is handed at once (the decoder splits longer passes) */
+#define SW_MAX_ROWS 128   /* rows a variant is handed at once (the decoder splits longer passes) */
+#define SW_MAX_INPUT 65536 /* the widest input of a layer the int8 path takes (kernels.py checks it) */
 #define SW_KC 256       /* inputs per dequantised tile on the fp32 path of BF16/Q8/Q4 weights */
 
 /* The KV cache of one layer. Keys are kept transposed in blocks of 16 positions, [slot][kv head][capacity/16][D][16],
