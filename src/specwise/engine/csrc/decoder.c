@@ -466,10 +466,12 @@ typedef struct {
   float* y;
   int ldy, accumulate;
   float* scratch; /* per thread: SW_MAX_ROWS·32 (block results) + SW_KC·32 (a dequantised tile) floats */
-  int blocks_per_unit;
+  const int* starts; /* unit u is column blocks starts[u] .. starts[u+1]-1 */
 } gemm_job;
 
 #define GEMM_THREAD_FLOATS ((size_t)SW_MAX_ROWS * 32 + (size_t)SW_KC * 32)
+#define MIN_UNIT_MACS (1L << 18)
+#define MAX_UNITS_GUIDED 256
 
 static void gemm_unit(void* ctx, int u, int thread) {
   const gemm_job* j = ctx;
@@ -477,9 +479,7 @@ static void gemm_unit(void* ctx, int u, int thread) {
   const int K = L->k;
   float* acc = j->scratch + (size_t)thread * GEMM_THREAD_FLOATS;
   float* tile = acc + (size_t)SW_MAX_ROWS * 32;
-  const int b0 = u * j->blocks_per_unit;
-  const int b1 = b0 + j->blocks_per_unit < L->nblocks ? b0 + j->blocks_per_unit : L->nblocks;
-  for (int blk = b0; blk < b1; blk++)
+  for (int blk = j->starts[u]; blk < j->starts[u + 1]; blk++)
     for (int m0 = 0; m0 < j->M; m0 += SW_MAX_ROWS) {
       const int R = j->M - m0 < SW_MAX_ROWS ? j->M - m0 : SW_MAX_ROWS;
       if (int8_path(L)) {
@@ -531,7 +531,7 @@ static size_t gemm_scratch_floats(int M, int K, int T) {
 static void gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int T,
                  float* scratch) {
   const int K = L->k, KB = K / 32, nb = L->nblocks;
-  gemm_job job = {L, x, M, ldx, {0}, y, ldy, accumulate, scratch, 1};
+  gemm_job job = {L, x, M, ldx, {0}, y, ldy, accumulate, scratch, NULL};
   float* after = scratch + (size_t)T * GEMM_THREAD_FLOATS;
   if (int8_path(L)) {
     float* d = after;
@@ -545,8 +545,21 @@ static void gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, i
   }
   const long work = (long)M * L->n * K;
   if (work <= 32768 || T > nb) T = work <= 32768 ? 1 : nb;
-  job.blocks_per_unit = T > 1 ? (nb + 4 * T - 1) / (4 * T) : nb;
-  parallel(gemm_unit, &job, (nb + job.blocks_per_unit - 1) / job.blocks_per_unit, T);
+  /* Guided units: each takes 1/(2T) of the blocks still unassigned, down to MIN_UNIT_MACS of work, so threads
+   * stream long runs of weights first and the section ends on small units (the last one is what the others wait
+   * for). */
+  int starts[MAX_UNITS_GUIDED + 1], units = 0;
+  const long per_block = (long)M * K * 32;
+  const int smallest = (int)(MIN_UNIT_MACS / per_block) > 1 ? (int)(MIN_UNIT_MACS / per_block) : 1;
+  for (int b = 0; b < nb && units < MAX_UNITS_GUIDED; units++) {
+    int size = T > 1 ? (nb - b + 2 * T - 1) / (2 * T) : nb;
+    size = size < smallest ? smallest : size;
+    starts[units] = b;
+    b += size;
+  }
+  starts[units] = nb;
+  job.starts = starts;
+  parallel(gemm_unit, &job, units, T);
 }
 
 /* The kernels' GEMM on its own (tests, benchmarks): scratch of its own. */
@@ -651,6 +664,18 @@ void sw_silu_mul(const float* gu, int M, int I, float* out) {
   }
 }
 
+typedef struct {
+  const float* gu;
+  int I;
+  float* out;
+} silu_job;
+
+static void silu_unit(void* ctx, int u, int thread) {
+  (void)thread;
+  const silu_job* j = ctx;
+  sw_silu_mul(j->gu + (size_t)u * 2 * j->I, 1, j->I, j->out + (size_t)u * j->I);
+}
+
 /* ------------------------------------------------------------------------------------------- attention */
 
 static inline vf load_kv(const void* base, int bf16, size_t at) {
@@ -673,9 +698,11 @@ static void rope(float* v, int D, const float* cs, const float* sn) {
   }
 }
 
-#define QC 8 /* queries of one sequence attended together (they share each key and value load) */
+#define QC 8    /* consecutive tokens of one sequence attended together (they share each key and value load) */
+#define MAXQ 8  /* queries a unit attends (tokens × query heads of one key-value head, GQA): at most max(QS, QC) */
 /* How many queries share a load in the score and value loops, and how many 16-lane slices of D a value pass
  * keeps: register budgets only (16 ymm on AVX2, 32 zmm on AVX-512); no query's arithmetic depends on them. */
+_Static_assert(QC <= MAXQ, "a unit's queries fit MAXQ");
 #if defined(__AVX512F__)
 #define QS 8
 #define QV 4
@@ -750,7 +777,7 @@ static inline __attribute__((always_inline)) void values(const int* n, const int
 /* Queries q[0..nq) (one head, one slot) against that slot's keys: query i sees keys 0..n[i]-1.
  * softmax(q·Kᵀ·scale)·V into out[i]. A query's arithmetic is the same whatever else is attended with it: its score
  * for key j is k[j][0]·q[0] followed by a fused chain over d = 1..D-1, then ·scale; exp and sum in lane order; then
- * values accumulated in key order. s holds QC·(capacity+16) floats. */
+ * values accumulated in key order. s holds nq·(capacity+16) floats, nq ≤ MAXQ. */
 static void attend(const float* const* q, const int* n, const int nq, int D, const sw_kv* kv, size_t base,
                    float scale, float* s, float* const* out) {
   const int stride = kv->capacity + 16;
@@ -770,7 +797,7 @@ static void attend(const float* const* q, const int* n, const int nq, int D, con
       default: break;
     }
   }
-  float inv[QC];
+  float inv[MAXQ];
   for (int i = 0; i < nq; i++) {
     float* si = s + (size_t)i * stride;
     const int end = (n[i] + 15) / 16 * 16;
@@ -821,6 +848,10 @@ static void attend(const float* const* q, const int* n, const int nq, int D, con
 }
 
 typedef struct {
+  int run, h0, h1;
+} attention_unit_t;
+
+typedef struct {
   const float* qkv;
   int ldq;
   const int64_t* pos;
@@ -831,32 +862,35 @@ typedef struct {
   int ldo;
   float* scratch;
   const int* run_start;
-  int nruns;
+  const attention_unit_t* units;
 } attention_job;
 
+/* Unit u: the tokens of run units[u].run and its query heads units[u].h0 .. h1-1 (of one key-value head): every
+ * (token, head) pair is one query, and all of them share each key and value load. */
 static void attention_unit(void* ctx, int u, int thread) {
   const attention_job* j = ctx;
-  const int H = j->H, D = j->D, group = j->H / j->Hkv;
+  const int D = j->D, group = j->H / j->Hkv;
   const float scale = 1.0f / sqrtf((float)D);
-  float* s = j->scratch + (size_t)thread * QC * (j->kv->capacity + 16);
-  const int r = u / H, h = u % H, g = h / group;
-  const int a = j->run_start[r], nq = j->run_start[r + 1] - a;
-  const float* qs[QC];
-  float* outs[QC];
-  int n[QC];
-  for (int i = 0; i < nq; i++) {
-    qs[i] = j->qkv + (size_t)(a + i) * j->ldq + (size_t)h * D;
-    outs[i] = j->out + (size_t)(a + i) * j->ldo + (size_t)h * D;
-    n[i] = (int)j->pos[a + i] + 1;
-  }
-  const size_t base = (size_t)j->slot[a] * j->kv->slot_stride + (size_t)g * j->kv->head_stride;
+  float* s = j->scratch + (size_t)thread * MAXQ * (j->kv->capacity + 16);
+  const attention_unit_t w = j->units[u];
+  const int a = j->run_start[w.run], len = j->run_start[w.run + 1] - a;
+  const float* qs[MAXQ];
+  float* outs[MAXQ];
+  int n[MAXQ], nq = 0;
+  for (int i = 0; i < len; i++)
+    for (int h = w.h0; h < w.h1; h++, nq++) {
+      qs[nq] = j->qkv + (size_t)(a + i) * j->ldq + (size_t)h * D;
+      outs[nq] = j->out + (size_t)(a + i) * j->ldo + (size_t)h * D;
+      n[nq] = (int)j->pos[a + i] + 1;
+    }
+  const size_t base = (size_t)j->slot[a] * j->kv->slot_stride + (size_t)(w.h0 / group) * j->kv->head_stride;
   attend(qs, n, nq, D, j->kv, base, scale, s, outs);
 }
 
 /* RoPE on the queries and keys of qkv rows (in place), write keys and values into the cache at each token's
  * (slot, position), then attend: token i sees positions 0..pos[i] of its slot. Causality comes from positions, so
  * a pass may hold any mix of prompt chunks, one-token steps and drafts. Units are (run of up to QC consecutive
- * tokens of one slot, head); scratch holds nthreads·QC·(capacity+16) floats. */
+ * tokens of one slot, key-value head); scratch holds nthreads·MAXQ·(capacity+16) floats. */
 void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
                   const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
                   int nthreads) {
@@ -879,14 +913,28 @@ void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t*
     }
   }
   int* run_start = malloc((size_t)(M + 1) * sizeof(int)); /* runs of up to QC consecutive tokens in one slot */
-  if (!run_start) return;
-  int nruns = 0;
+  attention_unit_t* units = malloc((size_t)(M + 1) * H * sizeof(attention_unit_t));
+  if (!run_start || !units) {
+    free(run_start);
+    free(units);
+    return;
+  }
+  int nruns = 0, nunits = 0;
   for (int i = 0; i < M; i++)
     if (i == 0 || slot[i] != slot[i - 1] || i - run_start[nruns - 1] == QC) run_start[nruns++] = i;
   run_start[nruns] = M;
-  attention_job job = {qkv, ldq, pos, slot, H, Hkv, D, kv, out, ldo, scratch, run_start, nruns};
-  parallel(attention_unit, &job, nruns * H, nthreads);
+  const int group = H / Hkv;
+  for (int r = 0; r < nruns; r++) { /* short runs take several query heads of a group, to fill a tile of QS */
+    const int len = run_start[r + 1] - run_start[r], want = QS / len > 1 ? QS / len : 1;
+    const int per = want < group ? want : group;
+    for (int g = 0; g < Hkv; g++)
+      for (int h = g * group; h < (g + 1) * group; h += per)
+        units[nunits++] = (attention_unit_t){r, h, h + per < (g + 1) * group ? h + per : (g + 1) * group};
+  }
+  attention_job job = {qkv, ldq, pos, slot, H, Hkv, D, kv, out, ldo, scratch, run_start, units};
+  parallel(attention_unit, &job, nunits, nthreads);
   free(run_start);
+  free(units);
 }
 
 /* ------------------------------------------------------------------------------------------ the decoder */
@@ -902,7 +950,7 @@ long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads) {
   if (nthreads < 1) nthreads = 1;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   const long C = m->hidden, QKV = (long)(m->n_heads + 2 * m->n_kv) * m->head_dim, A = (long)m->n_heads * m->head_dim;
-  const long attention = (long)nthreads * QC * (capacity + 16);
+  const long attention = (long)nthreads * MAXQ * (capacity + 16);
   const long linear = (long)gemm_scratch_floats(M, (int)widest_input(m), nthreads);
   return 2 * M * C + M * QKV + M * A + 3L * M * m->inter + (attention > linear ? attention : linear) + 64;
 }
@@ -944,7 +992,8 @@ int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* t
     gemm(&L->o, att, M, A, x, C, 1, nthreads, sc);
     sw_rmsnorm(x, M, C, C, L->ffn_norm, m->eps, h, C);
     gemm(&L->gate_up, h, M, C, gu, 2 * I, 0, nthreads, sc);
-    sw_silu_mul(gu, M, I, act);
+    silu_job sj = {gu, I, act};
+    parallel(silu_unit, &sj, M, (long)M * I >= 8192 ? nthreads : 1); /* one row a unit */
     gemm(&L->down, act, M, I, x, C, 1, nthreads, sc);
   }
   if (n_out > 0) {

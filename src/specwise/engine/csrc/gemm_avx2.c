@@ -18,12 +18,15 @@ const char* sw_variant_detail(void) { return "avx2 (x86-64-v3: AVX2, FMA, F16C)"
 static inline __attribute__((always_inline)) void f32_rows(const float* tile, int kc, const float* x, int ldx,
                                                            float* acc, const int R) {
   __m256 a[3][4];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < 4; c++) a[r][c] = _mm256_loadu_ps(acc + r * 32 + 8 * c);
   for (int k = 0; k < kc; k++) {
     const float* w = tile + (size_t)k * 32;
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
                  w3 = _mm256_loadu_ps(w + 24);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m256 xb = _mm256_broadcast_ss(x + (size_t)r * ldx + k);
       a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
@@ -32,7 +35,9 @@ static inline __attribute__((always_inline)) void f32_rows(const float* tile, in
       a[r][3] = _mm256_fmadd_ps(xb, w3, a[r][3]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + r * 32 + 8 * c, a[r][c]);
 }
 
@@ -44,6 +49,10 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 }
 
 /* ------------------------------------------------------------------------------------- int8 activations */
+
+/* Keeps an accumulator in its register at this point: without it the compiler, free to reassociate integer sums,
+ * computes a block's products first and spills them all to the stack (twice the memory traffic, half the speed). */
+#define KEEP(v) __asm__("" : "+x"(v))
 
 #ifndef PF_DIST
 #define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
@@ -69,30 +78,41 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[4][2][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
   for (int kb = 0; kb < KB; kb++) {
     __m256i s[4][2][2];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+      #pragma GCC unroll 16
       for (int h = 0; h < NH; h++) s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
     const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
+      #pragma GCC unroll 16
       for (int h = 0; h < NH; h++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(wb + g * 64 + (h0 + h) * 32));
         const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           const __m256i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
           s[r][h][0] = _mm256_add_epi16(s[r][h][0], _mm256_maddubs_epi16(lo, xb));
           s[r][h][1] = _mm256_add_epi16(s[r][h][1], _mm256_maddubs_epi16(hi, xb));
+          KEEP(s[r][h][0]);
+          KEEP(s[r][h][1]);
         }
       }
     }
     const size_t at = ((size_t)blk * KB + kb) * 32;
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
       const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
       const __m256 d_lo = scales8(L, L->d, at + c_lo), d_hi = scales8(L, L->d, at + c_hi);
       const __m256 m_lo = scales8(L, L->m, at + c_lo), m_hi = scales8(L, L->m, at + c_hi);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
         const __m256 sx = _mm256_broadcast_ss(X->s + (size_t)r * KB + kb);
@@ -103,7 +123,9 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
       _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
       _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
@@ -118,32 +140,43 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
   const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[4][2][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
   for (int kb = 0; kb < KB; kb++) {
     __m256i s[4][2][2];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+      #pragma GCC unroll 16
       for (int h = 0; h < NH; h++) s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
     const int8_t* wb = W + (size_t)kb * 8 * 128;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 128 + PF_DIST), _MM_HINT_T0);
       _mm_prefetch((const char*)(wb + g * 128 + 64 + PF_DIST), _MM_HINT_T0);
+      #pragma GCC unroll 16
       for (int h = 0; h < NH; h++) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wb + g * 128 + (h0 + h) * 64));
         const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wb + g * 128 + (h0 + h) * 64 + 32));
         const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           const __m256i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
           const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
           const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
           s[r][h][0] = _mm256_add_epi32(s[r][h][0], _mm256_madd_epi16(p0, ones));
           s[r][h][1] = _mm256_add_epi32(s[r][h][1], _mm256_madd_epi16(p1, ones));
+          KEEP(s[r][h][0]);
+          KEEP(s[r][h][1]);
         }
       }
     }
     const size_t at = ((size_t)blk * KB + kb) * 32;
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
       const __m256 d0 = scales8(L, L->d, at + 16 * (h0 + h)), d1 = scales8(L, L->d, at + 16 * (h0 + h) + 8);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
         acc[r][h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d0, dx), acc[r][h][0]);
@@ -151,7 +184,9 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
       _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h), acc[r][h][0]);
       _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h) + 8, acc[r][h][1]);
@@ -162,7 +197,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
  * block at once (each weight line is read once, the broadcast serves both); larger tiles one half at a time, the
  * block's weights coming from L1 the second time. */
 #ifndef ROWS_TILE
-#define ROWS_TILE 3
+#define ROWS_TILE 4
 #endif
 #define TILE(KERNEL, R)                                 \
   do {                                                  \

@@ -23,18 +23,21 @@ const char* sw_variant_detail(void) { return "avx512 (x86-64-v4, no VNNI)"; }
 static inline __attribute__((always_inline)) void f32_rows(const float* tile, int kc, const float* x, int ldx,
                                                            float* acc, const int R) {
   __m512 a[12][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     a[r][0] = _mm512_loadu_ps(acc + r * 32);
     a[r][1] = _mm512_loadu_ps(acc + r * 32 + 16);
   }
   for (int k = 0; k < kc; k++) {
     const __m512 w0 = _mm512_loadu_ps(tile + (size_t)k * 32), w1 = _mm512_loadu_ps(tile + (size_t)k * 32 + 16);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 xb = _mm512_set1_ps(x[(size_t)r * ldx + k]);
       a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
       a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     _mm512_storeu_ps(acc + r * 32, a[r][0]);
     _mm512_storeu_ps(acc + r * 32 + 16, a[r][1]);
@@ -92,15 +95,19 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
   const __m512i ones = _mm512_set1_epi16(1);
 #endif
   __m512 acc[6][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int kb = 0; kb < KB; kb++) {
     __m512i s[6][2];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512((const void*)(wb + g * 64));
       const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
         s[r][0] = DOT_U8S8(s[r][0], lo, xb);
@@ -110,12 +117,14 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
     const size_t at = ((size_t)blk * KB + kb) * 32;
     const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
     const __m512 m0 = scales16(L, L->m, at), m1 = scales16(L, L->m, at + 16);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]), sx = _mm512_set1_ps(X->s[(size_t)r * KB + kb]);
       acc[r][0] = _mm512_fmadd_ps(m0, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]));
       acc[r][1] = _mm512_fmadd_ps(m1, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]));
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     _mm512_storeu_ps(out + r * 32, acc[r][0]);
     _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
@@ -135,11 +144,14 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
   const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
 #endif
   __m512 acc[6][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int kb = 0; kb < KB; kb++) {
     __m512i s[6][2];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     const int8_t* wb = W + (size_t)kb * 8 * 128;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 128 + PF_DIST), _MM_HINT_T0);
       _mm_prefetch((const char*)(wb + g * 128 + 64 + PF_DIST), _MM_HINT_T0);
@@ -147,6 +159,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       const __m512i w1 = _mm512_loadu_si512((const void*)(wb + g * 128 + 64));
 #if defined(__AVX512VNNI__)
       const __m512i u0 = _mm512_xor_si512(w0, flip), u1 = _mm512_xor_si512(w1, flip);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
         s[r][0] = _mm512_dpbusd_epi32(s[r][0], u0, xb);
@@ -155,6 +168,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
 #else
       const __m512i a0 = _mm512_abs_epi8(w0), a1 = _mm512_abs_epi8(w1);
       const __mmask64 n0 = _mm512_movepi8_mask(w0), n1 = _mm512_movepi8_mask(w1);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
         s[r][0] = DOT_U8S8(s[r][0], a0, _mm512_mask_sub_epi8(xb, n0, zero, xb));
@@ -164,6 +178,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     }
     const size_t at = ((size_t)blk * KB + kb) * 32;
     const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
 #if defined(__AVX512VNNI__)
@@ -175,6 +190,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     _mm512_storeu_ps(out + r * 32, acc[r][0]);
     _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);

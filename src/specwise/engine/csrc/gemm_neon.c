@@ -22,17 +22,24 @@ const char* sw_variant_detail(void) { return "neon (aarch64, no dotprod)"; }
 static inline __attribute__((always_inline)) void f32_rows(const float* tile, int kc, const float* x, int ldx,
                                                            float* acc, const int R) {
   float32x4_t a[2][8];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < 8; c++) a[r][c] = vld1q_f32(acc + r * 32 + 4 * c);
   for (int k = 0; k < kc; k++) {
     float32x4_t w[8];
+    #pragma GCC unroll 16
     for (int c = 0; c < 8; c++) w[c] = vld1q_f32(tile + (size_t)k * 32 + 4 * c);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const float xv = x[(size_t)r * ldx + k];
+      #pragma GCC unroll 16
       for (int c = 0; c < 8; c++) a[r][c] = vfmaq_n_f32(a[r][c], w[c], xv);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < 8; c++) vst1q_f32(acc + r * 32 + 4 * c, a[r][c]);
 }
 
@@ -72,20 +79,28 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
   const uint8x16_t nib = vdupq_n_u8(0x0F);
   float32x4_t acc[2][4][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int j = 0; j < NQ; j++) acc[r][j][0] = acc[r][j][1] = vdupq_n_f32(0.0f);
   for (int kb = 0; kb < KB; kb++) {
     int32x4_t s[2][4][2];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+      #pragma GCC unroll 16
       for (int j = 0; j < NQ; j++) s[r][j][0] = s[r][j][1] = vdupq_n_s32(0);
     const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       __builtin_prefetch(wb + g * 64 + 2048);
       int8x16_t x[2];
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) x[r] = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+      #pragma GCC unroll 16
       for (int j = 0; j < NQ; j++) {
         const uint8x16_t raw = vld1q_u8(wb + g * 64 + (q0 + j) * 16);
         const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, nib)), hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           s[r][j][0] = dot4(s[r][j][0], lo, x[r]);
           s[r][j][1] = dot4(s[r][j][1], hi, x[r]);
@@ -93,10 +108,12 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
       }
     }
     const size_t at = ((size_t)blk * KB + kb) * 32;
+    #pragma GCC unroll 16
     for (int j = 0; j < NQ; j++) {
       const int c_lo = 4 * (q0 + j), c_hi = 16 + 4 * (q0 + j);
       const float32x4_t d_lo = scales4(L, L->d, at + c_lo), d_hi = scales4(L, L->d, at + c_hi);
       const float32x4_t m_lo = scales4(L, L->m, at + c_lo), m_hi = scales4(L, L->m, at + c_hi);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const float dx = X->d[(size_t)r * KB + kb], sx = X->s[(size_t)r * KB + kb];
         acc[r][j][0] = vfmaq_n_f32(vfmaq_f32(acc[r][j][0], vcvtq_f32_s32(s[r][j][0]), vmulq_n_f32(d_lo, dx)), m_lo, sx);
@@ -104,7 +121,9 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int j = 0; j < NQ; j++) {
       vst1q_f32(out + r * 32 + 4 * (q0 + j), acc[r][j][0]);
       vst1q_f32(out + r * 32 + 16 + 4 * (q0 + j), acc[r][j][1]);
@@ -117,31 +136,43 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
   const int K = L->k, KB = K / 32;
   const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
   float32x4_t acc[2][8];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < NC; c++) acc[r][c] = vdupq_n_f32(0.0f);
   for (int kb = 0; kb < KB; kb++) {
     int32x4_t s[2][8];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+      #pragma GCC unroll 16
       for (int c = 0; c < NC; c++) s[r][c] = vdupq_n_s32(0);
     const int8_t* wb = W + (size_t)kb * 8 * 128;
+    #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       __builtin_prefetch(wb + g * 128 + 2048);
       __builtin_prefetch(wb + g * 128 + 64 + 2048);
       int8x16_t x[2];
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) x[r] = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+      #pragma GCC unroll 16
       for (int c = 0; c < NC; c++) {
         const int8x16_t w = vld1q_s8(wb + g * 128 + (c0 + c) * 16);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) s[r][c] = dot4(s[r][c], w, x[r]);
       }
     }
     const size_t at = ((size_t)blk * KB + kb) * 32;
+    #pragma GCC unroll 16
     for (int c = 0; c < NC; c++) {
       const float32x4_t dw = scales4(L, L->d, at + 4 * (c0 + c));
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++)
         acc[r][c] = vfmaq_f32(acc[r][c], vcvtq_f32_s32(s[r][c]), vmulq_n_f32(dw, X->d[(size_t)r * KB + kb]));
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
     for (int c = 0; c < NC; c++) vst1q_f32(out + r * 32 + 4 * (c0 + c), acc[r][c]);
 }
 
