@@ -337,7 +337,7 @@ def verdict(results: dict, variants: list[str], settings: dict) -> None:
             ),
         ]
         for label, value, target in lines:
-            print(f"{label:78} {value:6.2f}x  (target ≥ {target}: {'met' if value >= target else 'MISSED'})")
+            print(f"{label:78} {value:6.2f}x  {_target(v, f'≥ {target}', value >= target)}")
 
 
 def part_two(args, binary: str, gguf: Path) -> None:
@@ -528,15 +528,17 @@ def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
     for v in variants:
         c, t = costs[v], served[v]
         ratio = c["pass9"] / c["step"]
-        print(f"specwise {v}: a 9-token pass / a one-token step {ratio:27.2f}x  (target ≤ 2.0: {_met(ratio <= 2.0)})")
+        print(f"specwise {v}: a 9-token pass / a one-token step {ratio:27.2f}x  {_target(v, '≤ 2.0', ratio <= 2.0)}")
         busy = statistics.median(t["busy"]) / statistics.median(t["idle"])
-        print(
-            f"specwise {v}: a served step beside a busy core / idle {busy:22.2f}x  (target ≤ 2.5: {_met(busy <= 2.5)})"
-        )
+        verdict_busy = _target(v, "≤ 2.5", busy <= 2.5)
+        print(f"specwise {v}: a served step beside a busy core / idle {busy:22.2f}x  {verdict_busy}")
 
 
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def _target(variant: str, target: str, ok: bool) -> str:
+    """The kernels issue sets its targets on the SIMD variants; the portable one is measured, not held to them."""
+    if variant == "generic":
+        return "(portable fallback: no target)"
+    return f"(target {target}: {'met' if ok else 'MISSED'})"
 
 
 def _fmt(x: float | None) -> str:

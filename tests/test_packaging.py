@@ -78,9 +78,14 @@ def run_in(env: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def test_the_wheel_carries_its_data_files(wheel):
+    """The workloads, and every source a kernel variant is built from (kernels.py compiles them on the user's
+    machine): the header, the shared decoder and each variant's matrix products."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "specwise/harness/data/release_notes.yaml" in names and "specwise/engine/csrc/kernels.c" in names
-    assert "specwise/__main__.py" in names
+    assert "specwise/harness/data/release_notes.yaml" in names and "specwise/__main__.py" in names
+    csrc = Path(__file__).resolve().parents[1] / "src" / "specwise" / "engine" / "csrc"
+    sources = sorted(p.name for p in csrc.iterdir() if p.suffix in (".c", ".h"))
+    assert {"kernels.h", "decoder.c", "gemm_generic.c", "gemm_avx2.c", "gemm_avx512.c", "gemm_neon.c"} <= set(sources)
+    assert all(f"specwise/engine/csrc/{name}" in names for name in sources), sources
 
 
 def test_the_harness_runs_from_the_installed_wheel_without_torch(light_env, tmp_path):
