@@ -51,8 +51,17 @@ def test_x86_variants_compute_the_generic_bits(reference, variant, tmp_path):
 def test_generic_on_the_baseline_isa_computes_the_same_bits(reference, tmp_path):
     """The portable path built for the oldest CPUs of the architecture (on x86-64: no hardware fused multiply-add, so
     libm's fmaf in software): the same bits, slower."""
-    baseline = ["-march=x86-64"] if K._arch() == "x86_64" else ["-march=armv8-a"]
+    baseline = ["-DSW_PORTABLE", "-march=x86-64" if K._arch() == "x86_64" else "-march=armv8-a"]
     assert run([str(build("cc", baseline, "generic", tmp_path / "baseline"))]) == reference
+
+
+def test_the_generic_variant_is_portable_c_on_aarch64_too(reference, tmp_path):
+    """The generic variant cross-built for aarch64 (its portable spelling of the vector primitives, no NEON
+    intrinsics), under qemu: the same bits."""
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    assert cross and qemu, "the aarch64 checks need gcc-aarch64-linux-gnu and qemu-user: run scripts/test-deps.sh"
+    binary = build(cross, ["-static", "-DSW_PORTABLE", "-march=armv8-a"], "generic", tmp_path / "generic-arm")
+    assert run([qemu, "-cpu", "cortex-a57", str(binary)]) == reference
 
 
 @pytest.mark.parametrize("build_name", list(NEON_BUILDS))

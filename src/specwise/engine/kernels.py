@@ -195,9 +195,11 @@ def flags(variant: str, features: frozenset[str] | None = None) -> list[str]:
         return ["-march=x86-64-v4", *(["-mavx512vnni"] if "avx512_vnni" in features else [])]
     if variant == "neon":
         return ["-march=armv8.2-a+dotprod"] if "asimddp" in features else ["-march=armv8-a"]
-    if arch == "x86_64":  # generic: the baseline ISA, with hardware fused multiply-adds where the CPU has them
-        return ["-march=x86-64", "-mtune=generic", *(["-mfma"] if "fma" in features else [])]
-    return ["-march=armv8-a"] if arch == "aarch64" else []
+    # generic: portable C only (SW_PORTABLE), for the architecture's baseline, with hardware fused multiply-adds
+    # where the CPU has them
+    if arch == "x86_64":
+        return ["-DSW_PORTABLE", "-march=x86-64", "-mtune=generic", *(["-mfma"] if "fma" in features else [])]
+    return ["-DSW_PORTABLE", *(["-march=armv8-a"] if arch == "aarch64" else [])]
 
 
 def sources(variant: str) -> list[Path]:

@@ -26,6 +26,23 @@
 #endif
 #define VP (16 / VW) /* vectors per 16-lane group */
 
+/* The instruction set the vector primitives below are spelled for (each spelling computes the same bits); the
+ * generic variant is built with SW_PORTABLE and takes the portable spelling everywhere: no intrinsics at all. */
+#define SW_ISA_AVX512 0
+#define SW_ISA_AVX2 0
+#define SW_ISA_NEON 0
+#if defined(SW_PORTABLE)
+#elif defined(__AVX512F__)
+#undef SW_ISA_AVX512
+#define SW_ISA_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#undef SW_ISA_AVX2
+#define SW_ISA_AVX2 1
+#elif defined(__aarch64__)
+#undef SW_ISA_NEON
+#define SW_ISA_NEON 1
+#endif
+
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -43,19 +60,19 @@ static inline vf vsplat(float a) { return (vf){0} + a; }
 
 /* Per lane a·b + c with one rounding, and bf16 → fp32: spelled per instruction set (a compiler may leave a lane
  * loop of fmaf scalar); every spelling computes the same bits. */
-#if defined(__AVX512F__)
+#if SW_ISA_AVX512
 #include <immintrin.h>
 static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SW_ISA_AVX2
 #include <immintrin.h>
 static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 }
-#elif defined(__aarch64__)
+#elif SW_ISA_NEON
 #include <arm_neon.h>
 static inline vf vfma(vf a, vf b, vf c) { return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b); }
 static inline vf load_bf16(const uint16_t* p) { return (vf)vshll_n_u16(vld1_u16(p), 16); }
@@ -76,29 +93,29 @@ static inline vi vsplat_i(int32_t a) { return (vi){0} + a; }
 
 /* Round to the nearest integer, ties to even (x86's and Arm's default rounding; exact for |v| < 2^31). The portable
  * spelling, (v + 1.5·2²³) − 1.5·2²³, is the same rounding for |v| < 2²², which is all the int8 path asks. */
-#if defined(__AVX512F__)
+#if SW_ISA_AVX512
 static inline vi vrint(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SW_ISA_AVX2
 static inline vi vrint(vf v) { return (vi)_mm256_cvtps_epi32((__m256)v); }
-#elif defined(__aarch64__)
+#elif SW_ISA_NEON
 static inline vi vrint(vf v) { return (vi)vcvtnq_s32_f32((float32x4_t)v); }
 #else
 static inline vi vrint(vf v) { return __builtin_convertvector((v + 12582912.0f) - 12582912.0f, vi); }
 #endif
 
 /* 32 int32 lanes known to be within ±127 (32/VW vectors) stored as 32 bytes. */
-#if defined(__AVX512F__)
+#if SW_ISA_AVX512
 static inline void store_int8x32(int8_t* dst, const vi* v) {
   _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8((__m512i)v[0]));
   _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtepi32_epi8((__m512i)v[1]));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SW_ISA_AVX2
 static inline void store_int8x32(int8_t* dst, const vi* v) {
   const __m256i a = _mm256_packs_epi32((__m256i)v[0], (__m256i)v[1]), b = _mm256_packs_epi32((__m256i)v[2], (__m256i)v[3]);
   const __m256i c = _mm256_packs_epi16(a, b); /* 128-bit lanes interleaved: 0 2 4 6 | 1 3 5 7 in dwords of 4 bytes */
   _mm256_storeu_si256((__m256i*)dst, _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
-#elif defined(__aarch64__)
+#elif SW_ISA_NEON
 static inline void store_int8x32(int8_t* dst, const vi* v) {
   for (int i = 0; i < 8; i += 2) {
     const int16x8_t h = vcombine_s16(vmovn_s32((int32x4_t)v[i]), vmovn_s32((int32x4_t)v[i + 1]));
@@ -172,9 +189,9 @@ static inline vf vfloor(vf x) {
 static inline vf vsel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* a > b ? a : b per lane (x86's max instructions are exactly this, NaN and signed zeros included). */
-#if defined(__AVX512F__)
+#if SW_ISA_AVX512
 static inline vf vmaxv(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SW_ISA_AVX2
 static inline vf vmaxv(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 #else
 static inline vf vmaxv(vf a, vf b) { return vsel(a > b, a, b); }
