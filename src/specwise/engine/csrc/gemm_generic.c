@@ -1,5 +1,7 @@
 /* The generic variant: the contract of kernels.h in portable C, no intrinsics. It runs wherever the compiler
  * targets (and is the reference the other variants are tested against, bit for bit). */
+#include <string.h>
+
 #include "kernels.h"
 
 const char* sw_variant(void) { return "generic"; }
@@ -23,36 +25,97 @@ static inline float scale(const sw_linear* L, const void* base, size_t at) {
   return L->half_scales ? sw_f16_to_f32(((const uint16_t*)base)[at]) : ((const float*)base)[at];
 }
 
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
-  const int K = L->k, KB = K / 32;
-  for (int r = 0; r < M; r++) {
-    const int8_t* xq = X->q + (size_t)r * K;
-    float acc[32] = {0};
-    for (int kb = 0; kb < KB; kb++) {
-      int32_t isum[32] = {0};
-      for (int g = 0; g < 8; g++) {
-        const size_t group = (size_t)blk * (K / 4) + kb * 8 + g;
-        const int8_t* xg = xq + kb * 32 + g * 4;
-        if (L->fmt == SW_Q8) {
-          const int8_t* w = (const int8_t*)L->w + group * 128;
-          for (int c = 0; c < 32; c++)
-            for (int kk = 0; kk < 4; kk++) isum[c] += (int32_t)w[c * 4 + kk] * xg[kk];
-        } else {
-          const uint8_t* w = (const uint8_t*)L->w + group * 64;
-          for (int j = 0; j < 16; j++)
-            for (int kk = 0; kk < 4; kk++) {
-              isum[j] += (int32_t)(w[j * 4 + kk] & 15) * xg[kk];
-              isum[j + 16] += (int32_t)(w[j * 4 + kk] >> 4) * xg[kk];
-            }
+/* A 32-block of one column block's weights as int32 values [32 inputs][32 columns] (unpacked once, used by every
+ * row). Lane-wise on 32-bit words — a word holds one column's 4 inputs — so the compiler vectorises it, and the
+ * products below, for whatever SIMD it targets. */
+static void unpack_block(const sw_linear* L, int blk, int kb, int32_t* wv) {
+  const int K = L->k;
+  for (int g = 0; g < 8; g++) {
+    const size_t group = (size_t)blk * (K / 4) + kb * 8 + g;
+    uint32_t u[32];
+    memcpy(u, (const uint8_t*)L->w + group * (L->fmt == SW_Q8 ? 128 : 64), L->fmt == SW_Q8 ? 128 : 64);
+    for (int kk = 0; kk < 4; kk++) {
+      int32_t* row = wv + (4 * g + kk) * 32;
+      if (L->fmt == SW_Q8) {
+        for (int c = 0; c < 32; c++) row[c] = (int32_t)(u[c] << (24 - 8 * kk)) >> 24;
+      } else {
+        for (int j = 0; j < 16; j++) {
+          row[j] = (int32_t)((u[j] >> (8 * kk)) & 15);
+          row[j + 16] = (int32_t)((u[j] >> (8 * kk + 4)) & 15);
         }
       }
-      const float dx = X->d[(size_t)r * KB + kb], sx = X->s[(size_t)r * KB + kb];
-      for (int c = 0; c < 32; c++) {
-        const size_t at = ((size_t)blk * KB + kb) * 32 + c;
-        acc[c] = sw_fma((float)isum[c], scale(L, L->d, at) * dx, acc[c]);
-        if (L->fmt == SW_Q4) acc[c] = sw_fma(scale(L, L->m, at), sx, acc[c]);
+    }
+  }
+}
+
+/* One row: the products straight from the packed words (unpacking first pays only when rows share it). */
+static void one_row(const sw_linear* L, int blk, const sw_qrows* X, float* out) {
+  const int K = L->k, KB = K / 32;
+  float acc[32] = {0};
+  for (int kb = 0; kb < KB; kb++) {
+    int32_t isum[32] = {0};
+    for (int g = 0; g < 8; g++) {
+      const size_t group = (size_t)blk * (K / 4) + kb * 8 + g;
+      const int8_t* x = X->q + kb * 32 + g * 4;
+      const int32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+      uint32_t u[32];
+      if (L->fmt == SW_Q8) {
+        memcpy(u, (const uint8_t*)L->w + group * 128, 128);
+        for (int c = 0; c < 32; c++) {
+          const int32_t v = (int32_t)u[c];
+          isum[c] += (int32_t)(int8_t)v * x0 + (int32_t)(int8_t)(v >> 8) * x1 + (int32_t)(int8_t)(v >> 16) * x2 +
+                     (v >> 24) * x3;
+        }
+      } else {
+        memcpy(u, (const uint8_t*)L->w + group * 64, 64);
+        for (int j = 0; j < 16; j++) {
+          isum[j] += (int32_t)(u[j] & 15) * x0 + (int32_t)((u[j] >> 8) & 15) * x1 +
+                     (int32_t)((u[j] >> 16) & 15) * x2 + (int32_t)((u[j] >> 24) & 15) * x3;
+          isum[j + 16] += (int32_t)((u[j] >> 4) & 15) * x0 + (int32_t)((u[j] >> 12) & 15) * x1 +
+                          (int32_t)((u[j] >> 20) & 15) * x2 + (int32_t)(u[j] >> 28) * x3;
+        }
       }
     }
-    for (int c = 0; c < 32; c++) out[r * 32 + c] = acc[c];
+    const float dx = X->d[kb], sx = X->s[kb];
+    for (int c = 0; c < 32; c++) {
+      const size_t at = ((size_t)blk * KB + kb) * 32 + c;
+      acc[c] = sw_fma((float)isum[c], scale(L, L->d, at) * dx, acc[c]);
+      if (L->fmt == SW_Q4) acc[c] = sw_fma(scale(L, L->m, at), sx, acc[c]);
+    }
+  }
+  for (int c = 0; c < 32; c++) out[c] = acc[c];
+}
+
+void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
+  const int K = L->k, KB = K / 32;
+  if (M == 1) {
+    one_row(L, blk, X, out);
+    return;
+  }
+  int32_t wv[32 * 32];
+  for (int r = 0; r < M; r++)
+    for (int c = 0; c < 32; c++) out[r * 32 + c] = 0.0f;
+  for (int kb = 0; kb < KB; kb++) {
+    unpack_block(L, blk, kb, wv);
+    float dw[32], mw[32];
+    for (int c = 0; c < 32; c++) {
+      const size_t at = ((size_t)blk * KB + kb) * 32 + c;
+      dw[c] = scale(L, L->d, at);
+      mw[c] = L->fmt == SW_Q4 ? scale(L, L->m, at) : 0.0f;
+    }
+    for (int r = 0; r < M; r++) {
+      const int8_t* xq = X->q + (size_t)r * K + kb * 32;
+      int32_t isum[32] = {0};
+      for (int k = 0; k < 32; k++) {
+        const int32_t xv = xq[k];
+        for (int c = 0; c < 32; c++) isum[c] += wv[k * 32 + c] * xv;
+      }
+      const float dx = X->d[(size_t)r * KB + kb], sx = X->s[(size_t)r * KB + kb];
+      float* acc = out + r * 32;
+      for (int c = 0; c < 32; c++) {
+        acc[c] = sw_fma((float)isum[c], dw[c] * dx, acc[c]);
+        if (L->fmt == SW_Q4) acc[c] = sw_fma(mw[c], sx, acc[c]);
+      }
+    }
   }
 }
