@@ -153,9 +153,9 @@ def missing_features(variant: str, features: frozenset[str] | None = None, arch:
     if variant == "generic":
         return []
     if variant == "neon":
-        return [] if arch == "aarch64" else [f"an aarch64 CPU (this one is {arch})"]
+        return [] if arch == "aarch64" else ["aarch64"]
     if arch != "x86_64":
-        return [f"an x86-64 CPU (this one is {arch})"]
+        return ["x86_64"]
     return [f for f in REQUIRES[variant] if f not in features]
 
 
@@ -177,9 +177,14 @@ def choose(requested: str | None = None) -> str:
         )
     lacking = missing_features(name)
     if lacking:
+        why = (
+            f"they are for {lacking[0]} CPUs; this one is {_arch()}"
+            if lacking[0] in ("aarch64", "x86_64")
+            else f"it lacks {', '.join(lacking)}"
+        )
         raise SpecwiseError(
-            f"SPECWISE_KERNELS={name}: this CPU cannot run the {name} kernels (it lacks {', '.join(lacking)}); "
-            f"variants it can run: {', '.join(['auto', *can])}",
+            f"SPECWISE_KERNELS={name}: this CPU cannot run the {name} kernels ({why}); variants it can run: "
+            f"{', '.join(['auto', *can])}",
             param="kernels",
         )
     return name
