@@ -251,7 +251,9 @@ def _load_native(
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
     try:
         kernels.library(variant)
-        model = _build_native(source, directory, config, dtype, quantize, max_len, activations, variant)
+        weights = _native_weights(source, directory, ModelConfig.from_hf(config), dtype, quantize)
+        fast = "float32" if activations == "float32" else "int8"  # auto: int8 (specs.ACTIVATIONS)
+        model = NativeDecoder(weights, max_len, activations=fast, kernels=variant)
     except kernels.Unsupported as exc:  # no compiler, or a shape the kernels do not take
         if quantize or activations == "int8":
             raise
@@ -270,18 +272,8 @@ def _load_native(
     return model
 
 
-def _build_native(
-    source: Path,
-    directory: Path,
-    config: dict,
-    dtype: str,
-    quantize: str | None,
-    max_len: int | None,
-    activations: str,
-    variant: str | None,
-) -> NativeDecoder:
-
-    cfg = ModelConfig.from_hf(config)
+def _native_weights(source: Path, directory: Path, cfg: ModelConfig, dtype: str, quantize: str | None) -> NativeWeights:
+    """The weights packed in the precision asked for: a GGUF's own from the conversion cache, else quantised here."""
     if source.is_file():
         types = set(json.loads((directory / "specwise.json").read_text()).get("tensor_types", []))
         precision = _native_precision(True, dtype, quantize, types)
@@ -292,9 +284,7 @@ def _build_native(
     else:
         precision = _native_precision(False, dtype, quantize)
         weights = from_hf_state(cfg, _read_safetensors(directory), precision)
-    return NativeDecoder(
-        weights, max_len, activations="float32" if activations == "float32" else "int8", kernels=variant
-    )
+    return weights
 
 
 def _gguf_native(source: Path, cfg: ModelConfig):
