@@ -49,6 +49,10 @@ def test_quick_run_writes_every_request_and_a_verdict(quick_run):
     prov = run.provenance
     assert len(prov["target"]["sha256"]) == 64 and prov["hardware"]["cpu_threads"] >= 1
     assert prov["specwise_version"] and run.fingerprint
+    from specwise.engine import kernels as K
+
+    assert prov["hardware"]["kernels"] == K.describe()  # the variant that ran is provenance
+    assert f"kernels {K.describe()}" in proc.stdout and f"({prov['target']['precision']}, sha256" in proc.stdout
 
 
 def test_greedy_outputs_are_compared_between_configurations(quick_run):

@@ -678,6 +678,12 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     assert run.server_counters["speculative|concurrent@2"][0]["num_draft_tokens"] > 0
     assert run.server_counters["baseline|concurrent@2"][0]["num_draft_tokens"] == 0
     assert run.provenance["target"]["path"] == str(tiny_dir)
+    from specwise.engine import kernels as K
+
+    servers = [f["server"] for f in run.provenance["facts"].values()]  # what each launched server said of itself
+    assert servers and all(
+        s == {"kind": "specwise", "version": servers[0]["version"], "kernels": K.describe()} for s in servers
+    )
     assert (tmp_path / "out" / "server-speculative.log").exists()
     with pytest.raises(httpx.ConnectError):  # both servers were stopped
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
