@@ -20,8 +20,9 @@ With --kernels (a list, or `all`: every variant this CPU runs), part 1 runs spec
 llama.cpp built for the same instruction-set level (scripts/llama-server.sh with LLAMA_LEVEL=avx2|avx512; the native
 build for generic and neon), all in the same interleaved run, and part 4 adds per variant: a 9-token verification
 pass against a one-token step (benchmarks/kernels.py's measurement), a served step (`specwise serve`, its own decode
-time) beside a process busy-looping on one core against the idle one, and each engine's decode as a fraction of the
-floor the machine's read bandwidth sets for the weights. The targets of the kernels issue are printed as ratios.
+time) beside a process busy-looping on one core against the idle one, the wall time of the default `specwise
+evaluate` (the README's main job after setup), and each engine's decode as a fraction of the floor the machine's
+read bandwidth sets for the weights. The targets of the kernels issue are printed as ratios.
 
 `llama-server` comes from $LLAMA_SERVER, PATH, or scripts/llama-server.sh (which builds it once into the cache).
 
@@ -473,7 +474,8 @@ def served_step(url: str, prompt: str, tokens: int) -> float:
 
 
 def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
-    """Per variant: a 9-token pass against a step, a served step beside a busy neighbour, decode against the floor."""
+    """Per variant: a 9-token pass against a step, a served step beside a busy neighbour, the default evaluation's
+    wall time, decode against the bandwidth floor."""
     import torch
     from kernels import bandwidth, busy_neighbour, pass_costs
 
@@ -504,6 +506,18 @@ def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
         finally:
             serve.terminate()
             serve.wait(timeout=30)
+    evaluate: dict[str, float] = {}
+    for v in variants:  # the README's first command, after setup: the default evaluation, wall time
+        with tempfile.TemporaryDirectory() as out:
+            env = {**os.environ, "SPECWISE_KERNELS": v}
+            t0 = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "specwise.cli", "evaluate", "--out", out, "--no-progress"],
+                check=True,
+                capture_output=True,
+                env=env,
+            )
+            evaluate[v] = time.perf_counter() - t0
     bw = bandwidth(args.threads)
     floor = target.model.weight_bytes() / bw
     print(
@@ -532,6 +546,9 @@ def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
         busy = statistics.median(t["busy"]) / statistics.median(t["idle"])
         verdict_busy = _target(v, "≤ 2.5", busy <= 2.5)
         print(f"specwise {v}: a served step beside a busy core / idle {busy:22.2f}x  {verdict_busy}")
+        seconds = evaluate[v]
+        verdict_eval = _target(v, "≤ 90 s", seconds <= 90)
+        print(f"specwise {v}: the default specwise evaluate, wall {seconds:21.1f} s  {verdict_eval}")
 
 
 def _target(variant: str, target: str, ok: bool) -> str:
