@@ -332,8 +332,9 @@ def test_reduced_row_counts_still_need_k_multiple_of_32():
 K_QUANTS = {"Q4_K": (144, [(0, 0.01), (2, 0.002)]), "Q6_K": (210, [(208, 0.001)])}  # block bytes, (fp16 at, value)
 
 
-def write_gguf(path, types: dict[str, str]) -> None:
-    """A one-layer llama GGUF (hidden 256 so that K-quants fit) with each weight in the type `types` names."""
+def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tuple[str, ...] = ()) -> None:
+    """A one-layer llama GGUF (hidden 256 so that K-quants fit) with each weight in the type `types` names; `meta`
+    overrides `llama.*` metadata (None leaves a key out), `skip` leaves tensors out."""
     import gguf
     from gguf.quants import quantize
 
@@ -351,20 +352,25 @@ def write_gguf(path, types: dict[str, str]) -> None:
         "blk.0.ffn_down.weight": (C, F),
     }
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [
-        ("block_count", 1),
-        ("context_length", 128),
-        ("embedding_length", C),
-        ("feed_forward_length", F),
-        ("attention.head_count", H),
-        ("attention.head_count_kv", Hkv),
-        ("vocab_size", V),
-    ]:
-        w.add_uint32(f"llama.{key}", value)
+    values = {
+        "block_count": 1,
+        "context_length": 128,
+        "embedding_length": C,
+        "feed_forward_length": F,
+        "attention.head_count": H,
+        "attention.head_count_kv": Hkv,
+        "vocab_size": V,
+        **(meta or {}),
+    }
+    for key, value in values.items():
+        if value is not None:
+            w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 10000.0)
     rng = np.random.default_rng(0)
     for name, (n, k) in shapes.items():
+        if name in skip:
+            continue
         kind = types.get(name, "F32")
         data = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         if kind in K_QUANTS:  # gguf-py cannot quantise K-quants: random blocks with sane fp16 scales

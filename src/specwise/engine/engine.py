@@ -229,6 +229,13 @@ class Engine:
                 param="logit_bias",
             )
         ids = self.encode_prompt(prompt)
+        outside = [t for t in ids if not 0 <= t < self.vocab]
+        if outside:  # a tokenizer larger than the model's vocabulary: refused here, not inside a batch's pass
+            raise SpecwiseError(
+                f"the tokenizer gave token id {outside[0]}, outside this model's vocabulary of {self.vocab} (ids 0.."
+                f"{self.vocab - 1}): the tokenizer and the weights do not belong together",
+                param="prompt",
+            )
         if fill_context:
             params = dataclasses.replace(params, max_new_tokens=max(self.max_len - len(ids), 1))
         if len(ids) + params.max_new_tokens > self.max_len:

@@ -42,7 +42,29 @@ def open_gguf(path: Path):
 
 def field(reader, key: str, default=None):
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception as exc:  # a damaged value: gguf-py raises whatever its parser hits
+        raise SpecwiseError(f"GGUF metadata {key!r} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _count(reader, path: Path, key: str, default: object = None) -> int:
+    """A size from the metadata: a whole number ≥ 1, or a SpecwiseError naming the key."""
+    value = field(reader, key, default)
+    if value is None:
+        raise SpecwiseError(f"{path}: the GGUF metadata lacks {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise SpecwiseError(f"{path}: GGUF metadata {key}={value!r} is not allowed: it must be a whole number ≥ 1")
+    return int(value)
+
+
+def _number(reader, path: Path, key: str, default: float) -> float:
+    value = field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise SpecwiseError(f"{path}: GGUF metadata {key}={value!r} is not allowed: it must be a number")
+    return float(value)
 
 
 def architecture(reader, path: Path) -> str:
@@ -56,28 +78,28 @@ def hf_config(reader, path: Path) -> dict:
     """A Hugging Face config.json for the file's model."""
     arch = architecture(reader, path)
 
-    def meta(key, default=None):
-        return field(reader, f"{arch}.{key}", default)
-
-    n_head = meta("attention.head_count")
-    n_kv = meta("attention.head_count_kv") or n_head
+    n_head = _count(reader, path, f"{arch}.attention.head_count")
+    n_kv = _count(reader, path, f"{arch}.attention.head_count_kv", n_head)
+    hidden = _count(reader, path, f"{arch}.embedding_length")
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    hidden = meta("embedding_length")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise SpecwiseError(f"{path}: the file lacks tensor 'token_embd.weight' (the token embeddings)")
+    vocab = field(reader, f"{arch}.vocab_size") or len(tokens) or int(embed.shape[-1])
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(meta("vocab_size") or len(tokens) or int(embed.shape[1])),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": int(n_head),
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(meta("attention.key_length") or hidden // n_head),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": _count(reader, path, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _count(reader, path, f"{arch}.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": _count(reader, path, f"{arch}.attention.key_length", hidden // n_head or None),
+        "rms_norm_eps": _number(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _number(reader, path, f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": _count(reader, path, f"{arch}.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
@@ -163,10 +185,15 @@ def tensors(reader, path: Path):
         name = hf_name(t.name)
         if name is None:
             continue  # rope_freqs and other derived tensors are recomputed from the config
-        kind, arrays = decode(t)
-        heads = _head_count(reader, arch, t.name)
-        if heads:
-            arrays = {key: unpermute(a, heads) for key, a in arrays.items()}
+        try:
+            kind, arrays = decode(t)
+            heads = _head_count(reader, arch, t.name)
+            if heads:
+                arrays = {key: unpermute(a, heads) for key, a in arrays.items()}
+        except (ValueError, TypeError, IndexError, KeyError, NotImplementedError, RuntimeError) as exc:
+            raise SpecwiseError(
+                f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}) is unreadable: {exc}"
+            ) from exc
         yield name, kind, t.tensor_type.name, arrays
 
 

@@ -346,6 +346,40 @@ class PackedLinear:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.m, self.bias) if t is not None)
 
+    def check(self, name: str) -> None:
+        """SpecwiseError unless every tensor has the dtype and shape the format, n and k make the kernels read (a
+        packed file from the cache is checked before any pointer reaches C)."""
+
+        def bad(what: str) -> SpecwiseError:
+            return SpecwiseError(f"packed weights {name!r}: {what} (a damaged or stale conversion cache?)")
+
+        if self.fmt not in FORMAT_NAMES:
+            raise bad(f"format {self.fmt} is not one of {sorted(FORMAT_NAMES)}")
+        if self.n < 1 or self.k < 32 or self.k % 32:
+            raise bad(f"{self.n} outputs × {self.k} inputs is not a shape the kernels take")
+        nb, k = self.nblocks, self.k
+        weights = {
+            F32: ((nb, k, 32), torch.float32),
+            BF16: ((nb, k, 32), torch.bfloat16),
+            Q8: ((nb, k // 4, 32, 4), torch.int8),
+            Q4: ((nb, k // 4, 16, 4), torch.uint8),
+        }[self.fmt]
+        parts = [("w", self.w, weights)]
+        for key, t in (("d", self.d), ("m", self.m)):
+            needed = (key == "d" and self.fmt in (Q8, Q4)) or (key == "m" and self.fmt == Q4)
+            if needed and t is None:
+                raise bad(f"the {FORMAT_NAMES[self.fmt]} format needs {key!r}")
+            if t is not None:
+                scale_type = t.dtype if t.dtype in (torch.float16, torch.float32) else torch.float32
+                parts.append((key, t, ((nb, k // 32, 32), scale_type)))
+        if self.bias is not None:
+            parts.append(("bias", self.bias, ((self.n,), torch.float32)))
+        for key, t, (shape, dtype) in parts:
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise bad(f"{key!r} is {t.dtype} {tuple(t.shape)}, the kernels read {dtype} {shape}")
+        if self.d is not None and self.m is not None and self.d.dtype != self.m.dtype:
+            raise bad("scales and mins differ in type")
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             name: t for name, t in (("w", self.w), ("d", self.d), ("m", self.m), ("bias", self.bias)) if t is not None

@@ -19,6 +19,29 @@ from specwise.engine.cache import KVCache, rows_index
 from specwise.errors import SpecwiseError
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+MAX_DIM = 1 << 20  # the largest vocabulary, width or layer count a config may give (anything above is a broken file)
+MAX_POSITIONS = 1 << 24
+
+
+def _whole(cfg: dict, key: str, default: object = None, limit: int = MAX_DIM) -> int:
+    """A config.json size: a whole number from 1 to `limit`, or a SpecwiseError naming the key."""
+    value = cfg.get(key, default)
+    if value is None:
+        raise SpecwiseError(f"config.json lacks {key!r} (a whole number from 1 to {limit})")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise SpecwiseError(f"config.json: {key}={value!r} is not allowed: it must be a whole number from 1 to {limit}")
+    return value
+
+
+def _positive(cfg: dict, key: str, default: float | None, allow_zero: bool = False) -> float:
+    """A config.json number: finite and > 0 (≥ 0 with allow_zero), or a SpecwiseError naming the key."""
+    value = cfg.get(key, default)
+    if value is None:
+        raise SpecwiseError(f"config.json lacks {key!r} (a finite number > 0)")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise SpecwiseError(f"config.json: {key}={value!r} is not allowed: it must be a finite number > 0")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -51,29 +74,45 @@ class ModelConfig:
                 f"architecture {arch!r} is not one our decoder runs (allowed: {sorted(SUPPORTED_ARCHITECTURES)}); "
                 "load it with the transformers adapter instead"
             )
-        heads = cfg["num_attention_heads"]
+        heads = _whole(cfg, "num_attention_heads")
+        hidden = _whole(cfg, "hidden_size")
+        kv_heads = _whole(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise SpecwiseError(
+                f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        head_dim = _whole(cfg, "head_dim", cfg.get("head_dim") or hidden // heads or None)
         qwen = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if scaling and not isinstance(scaling, dict):
+            raise SpecwiseError(f"config.json: rope_scaling={scaling!r} is not allowed: it must be an object")
         if scaling:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             if rope_type == "default":
                 scaling = None
             elif rope_type not in ("linear", "llama3"):
                 raise SpecwiseError(f"rope scaling {rope_type!r} is not supported (allowed: default, linear, llama3)")
+            else:
+                _positive(scaling, "factor", None)
+                if rope_type == "llama3":
+                    _whole(scaling, "original_max_position_embeddings", limit=MAX_POSITIONS)
+                    low = _positive(scaling, "low_freq_factor", 1.0)
+                    if _positive(scaling, "high_freq_factor", 4.0) <= low:
+                        raise SpecwiseError("config.json: rope_scaling's high_freq_factor must exceed low_freq_factor")
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=_whole(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_whole(cfg, "intermediate_size"),
+            num_layers=_whole(cfg, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_positive(cfg, "rms_norm_eps", 1e-5, allow_zero=True),
+            rope_theta=_positive({"rope_theta": theta}, "rope_theta", 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=_whole(cfg, "max_position_embeddings", 2048, MAX_POSITIONS),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen or attention_bias,
             o_bias=attention_bias and not qwen,

@@ -58,6 +58,36 @@ class NativeWeights:
         """Every packed linear layer the decoder multiplies with (the head included, the embedding table not)."""
         return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [self.head]
 
+    def check(self) -> None:
+        """SpecwiseError unless every packed tensor is well-formed and every shape agrees with the config: the
+        kernels size their buffers from the config and read the tensors, so the two must match before C runs."""
+        c = self.cfg
+        C, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+        Q, KV = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if not 1 <= len(self.layers) <= c.num_layers:  # fewer: a layer-skip drafter's subset, on purpose
+            raise SpecwiseError(f"packed weights hold {len(self.layers)} layers, the config {c.num_layers}")
+        want = {"embed": (self.embed, V, C), "head": (self.head, V, C)}
+        for i, L in enumerate(self.layers):
+            want[f"layers.{i}.qkv"] = (L.qkv, Q + 2 * KV, C)
+            want[f"layers.{i}.o"] = (L.o, C, Q)
+            want[f"layers.{i}.gate_up"] = (L.gate_up, 2 * F, C)
+            want[f"layers.{i}.down"] = (L.down, C, F)
+        for name, (p, n, k) in want.items():
+            p.check(name)
+            if (p.n, p.k) != (n, k):
+                raise SpecwiseError(
+                    f"packed weights {name!r} are {p.n} × {p.k}, the config implies {n} × {k} (vocab_size={V}, "
+                    f"hidden_size={C}, intermediate_size={F}, heads {c.num_heads}/{c.num_kv_heads} of {c.head_dim})"
+                )
+        norms = [("norm", self.norm)]
+        for i, L in enumerate(self.layers):
+            norms += [(f"layers.{i}.attn_norm", L.attn_norm), (f"layers.{i}.ffn_norm", L.ffn_norm)]
+        for name, t in norms:
+            if tuple(t.shape) != (C,) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise SpecwiseError(
+                    f"norm weights {name!r} are {t.dtype} {tuple(t.shape)}, the kernels read float32 ({C},)"
+                )
+
     def nbytes(self) -> int:
         packed = {id(p): p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)}
         packed.update({id(self.embed): self.embed, id(self.head): self.head})
@@ -115,6 +145,45 @@ class NativeWeights:
         return cls(cfg, meta["precision"], embed, head, tensors["norm"], layers)
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every weight of a Llama-family model (Hugging Face names, no 'model.' prefix) with the shape its config
+    implies and the config fields that imply it: what a file's tensors are checked against before any reaches C."""
+    V, C, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    Q, KV = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q_why, kv_why = "num_attention_heads·head_dim", "num_key_value_heads·head_dim"
+    shapes = {"embed_tokens.weight": ((V, C), "vocab_size × hidden_size"), "norm.weight": ((C,), "hidden_size")}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = ((V, C), "vocab_size × hidden_size")
+    for i in range(cfg.num_layers):
+        p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        shapes[p + "input_layernorm.weight"] = ((C,), "hidden_size")
+        shapes[p + "post_attention_layernorm.weight"] = ((C,), "hidden_size")
+        shapes[a + "q_proj.weight"] = ((Q, C), f"{q_why} × hidden_size")
+        shapes[a + "k_proj.weight"] = ((KV, C), f"{kv_why} × hidden_size")
+        shapes[a + "v_proj.weight"] = ((KV, C), f"{kv_why} × hidden_size")
+        shapes[a + "o_proj.weight"] = ((C, Q), f"hidden_size × {q_why}")
+        shapes[m + "gate_proj.weight"] = ((F, C), "intermediate_size × hidden_size")
+        shapes[m + "up_proj.weight"] = ((F, C), "intermediate_size × hidden_size")
+        shapes[m + "down_proj.weight"] = ((C, F), "hidden_size × intermediate_size")
+        if cfg.qkv_bias:
+            shapes[a + "q_proj.bias"] = ((Q,), q_why)
+            shapes[a + "k_proj.bias"] = ((KV,), kv_why)
+            shapes[a + "v_proj.bias"] = ((KV,), kv_why)
+        if cfg.o_bias:
+            shapes[a + "o_proj.bias"] = ((C,), "hidden_size")
+    return shapes
+
+
+def check_shape(name: str, got: tuple[int, ...], cfg: ModelConfig, where: object = "weights") -> None:
+    """A SpecwiseError naming the tensor when its shape is not the one the config implies."""
+    want, why = expected_shapes(cfg)[name.removeprefix("model.")]
+    if tuple(got) != want:
+        raise SpecwiseError(
+            f"{where}: tensor {name!r} has shape {tuple(got)}, but the config implies {want} ({why}): the weights "
+            "and config.json do not belong together"
+        )
+
+
 def pack(w: torch.Tensor, precision: str, bias: torch.Tensor | None = None, head: bool = False) -> K.PackedLinear:
     """A dense (n, k) weight in the format `precision` asks for."""
     if precision == "float32":
@@ -133,6 +202,7 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: s
     def take(name: str) -> torch.Tensor:
         for key in (name, "model." + name):
             if key in state:
+                check_shape(name, tuple(state[key].shape), cfg)
                 return state[key].float()
         raise SpecwiseError(f"weights are missing tensor {name!r} (is this a {cfg.architecture} checkpoint?)")
 
@@ -189,6 +259,8 @@ def from_gguf(reader, path, cfg: ModelConfig) -> NativeWeights:
     def get(name: str) -> tuple[str, dict[str, torch.Tensor]]:
         if name not in raw:
             raise SpecwiseError(f"{path}: the file lacks tensor {name!r}")
+        kind, arrays = raw[name]
+        check_shape(name, tuple(arrays["q" if kind != "dense" else "w"].shape), cfg, path)
         return raw[name]
 
     def packed(names: list[str]) -> K.PackedLinear:
@@ -252,6 +324,7 @@ class NativeDecoder:
                 f"the CPU kernels need hidden and intermediate sizes that are multiples of 32 (got "
                 f"{cfg.hidden_size}, {cfg.intermediate_size})"
             )
+        weights.check()  # every shape against the config before a pointer reaches C
         self.variant = K.choose(kernels)
         self.lib = K.library(self.variant)
         self.kernels = K.describe(self.variant)  # provenance: the variant and what it was built with
@@ -386,6 +459,7 @@ class NativeDecoder:
                 -3: "a token id outside the vocabulary",
                 -4: "an output row outside the pass",
                 -5: "a cache whose capacity is not a whole number of 16-position blocks",
+                -6: "weights whose shapes do not match the model's sizes",
             }[rc]
             raise SpecwiseError(f"forward pass refused: {what}")
         return logits

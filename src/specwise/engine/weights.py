@@ -28,7 +28,7 @@ from specwise.engine import gguf, kernels
 from specwise.engine.cache import CausalLM
 from specwise.engine.hf_adapter import HFAdapter
 from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
-from specwise.engine.native import NativeDecoder, NativeWeights, from_gguf, from_hf_state
+from specwise.engine.native import NativeDecoder, NativeWeights, check_shape, from_gguf, from_hf_state
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
@@ -293,14 +293,20 @@ def _gguf_native(source: Path, cfg: ModelConfig):
 
 
 def _cached_native(directory: Path, cfg: ModelConfig, build):
-    """Packed weights from the conversion cache, packing (and saving) them the first time."""
+    """Packed weights from the conversion cache, packing (and saving) them the first time — or again, when the
+    cached file is not a well-formed packing of this model (damaged, or left by an older specwise)."""
 
     path = directory / f"native-v{NATIVE_VERSION}.safetensors"
     if path.exists():
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        return NativeWeights.from_state(cfg, tensors, meta)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            cached = NativeWeights.from_state(cfg, tensors, meta)
+            cached.check()
+            return cached
+        except (SpecwiseError, SafetensorError, OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+            print(f"specwise: {path} is not usable ({exc}); packing the weights again", file=sys.stderr)
     weights = build()
     tensors, meta = weights.state()
     fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=directory)
@@ -365,6 +371,7 @@ def fuse_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     def take(name: str) -> torch.Tensor:
         for key in (name, "model." + name):
             if key in hf:
+                check_shape(name, tuple(hf[key].shape), cfg)
                 return hf[key].float()
         raise SpecwiseError(f"weights are missing tensor {name!r} (is this a {cfg.architecture} checkpoint?)")
 
@@ -404,9 +411,13 @@ def convert_gguf(path: Path, digest: str) -> Path:
     try:
         reader = gguf.open_gguf(path)
         config = gguf.hf_config(reader, path)
+        ModelConfig.from_hf(config)  # refuse a config the decoder cannot take before the slow tokenizer step
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
-        gguf.write_tokenizer(path, tmp)
+        try:
+            gguf.write_tokenizer(path, tmp)
+        except Exception as exc:  # transformers' GGUF tokenizer reader raises whatever the metadata trips
+            raise SpecwiseError(f"{path}: its tokenizer metadata is unreadable ({type(exc).__name__}: {exc})") from exc
         (tmp / "specwise.json").write_text(
             json.dumps({"source": str(path), "sha256": digest, "converter": CONVERTER_VERSION, "tensor_types": types})
         )

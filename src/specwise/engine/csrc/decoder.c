@@ -956,6 +956,25 @@ void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t*
 
 /* ------------------------------------------------------------------------------------------ the decoder */
 
+static int linear_is(const sw_linear* L, int n, int k) {
+  return L->fmt >= SW_F32 && L->fmt <= SW_Q4 && L->n == n && L->k == k && k % 32 == 0 && L->nblocks == (n + 31) / 32;
+}
+
+/* Every matrix has the shape the model's sizes give (what the buffers are sized by): a last guard behind the
+ * Python-side checks of a file's tensors. */
+static int shapes_agree(const sw_model* m) {
+  const int C = m->hidden, Q = m->n_heads * m->head_dim, KV = m->n_kv * m->head_dim;
+  if (m->n_heads < 1 || m->n_kv < 1 || m->n_heads % m->n_kv || m->head_dim % 16 || m->head_dim > 128) return 0;
+  if (!linear_is(m->embed, m->vocab, C) || !linear_is(m->head, m->vocab, C)) return 0;
+  for (int l = 0; l < m->n_layers; l++) {
+    const sw_layer* L = m->layers + l;
+    if (!linear_is(&L->qkv, Q + 2 * KV, C) || !linear_is(&L->o, C, Q) || !linear_is(&L->gate_up, 2 * m->inter, C) ||
+        !linear_is(&L->down, C, m->inter))
+      return 0;
+  }
+  return 1;
+}
+
 static size_t widest_input(const sw_model* m) {
   const size_t A = (size_t)m->n_heads * m->head_dim;
   size_t K = (size_t)m->hidden > (size_t)m->inter ? (size_t)m->hidden : (size_t)m->inter;
@@ -981,6 +1000,7 @@ int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* t
   if (nthreads < 1) nthreads = 1;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   if (cache->capacity % 16 || cache->capacity < cache->max_len) return -5;
+  if (!shapes_agree(m)) return -6;
   for (int i = 0; i < M; i++) {
     if (pos[i] < 0 || pos[i] >= cache->max_len || pos[i] >= m->max_pos) return -1;
     if (slot[i] < 0 || slot[i] >= cache->slots) return -2;
