@@ -40,10 +40,10 @@ class SlowEngine(Engine):
 
     delay = 0.0
 
-    def step(self):
+    def step(self, only=None):
         if self.delay:
             time.sleep(self.delay)
-        return super().step()
+        return super().step(only)
 
 
 def free_port() -> int:
@@ -80,10 +80,12 @@ class Live:
         engine: Engine,
         policy: Policy | None = None,
         max_queue: int = 64,
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,
         max_body: int = 1 << 20,
+        suffix_history: str = "per-key",
     ):
-        self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key)
+        history = {} if suffix_history == "per-key" else {"suffix_history": suffix_history}  # the default stated once
+        self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key, **history)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
@@ -357,6 +359,16 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"99999": 5}}, {}, 400, "logit_bias", "vocab"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"the": 5}}, {}, 400, "logit_bias", "token ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"3": 500}}, {}, 400, "logit_bias.3", "100"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"²": 1}}, {}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"١": 1}}, {}, 400, "logit_bias", "token ids"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
+        {},
+        400,
+        "logit_bias",
+        "at most 300",
+    ),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 3}, {}, 400, "presence_penalty", "2"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "frequency_penalty": -9}, {}, 400, "frequency_penalty", "-2"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "repetition_penalty": 0}, {}, 400, "repetition_penalty", "0"),
@@ -655,11 +667,16 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     from specwise.harness.analyze import load_run
 
     port = free_port()
-    serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny"
+    serve = (
+        f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny "
+        "--api-key sesame-0123"
+    )
     proc = cli(
         "evaluate",
         "--endpoint",
         f"http://127.0.0.1:{port}",
+        "--api-key",
+        "sesame-0123",
         "--workload",
         workload_file(tmp_path),
         "--launch",
@@ -685,6 +702,9 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
         s == {"kind": "specwise", "version": servers[0]["version"], "kernels": K.describe()} for s in servers
     )
     assert (tmp_path / "out" / "server-speculative.log").exists()
+    for stored in ("run.db", "report.html"):  # the key in the launch commands is kept out of what is stored
+        assert b"sesame-0123" not in (tmp_path / "out" / stored).read_bytes()
+    assert "--api-key ***" in run.provenance["configs"]["baseline"]["launch"]
     with pytest.raises(httpx.ConnectError):  # both servers were stopped
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     assert "speculative" in proc.stdout
@@ -808,7 +828,8 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
         (["--max-queue", "0"], "must be ≥ 1"),
         (["--policy-from", "/nonexistent/run.db"], "/nonexistent/run.db"),
         (["--drafter", "magic"], "magic"),
-        (["--api-key", " "], "--api-key is empty"),
+        (["--api-key", " "], "--api-key holds an empty key"),
+        (["--api-key", "a b"], "may not hold spaces"),
     ],
 )
 def test_bad_serve_flags(tiny_dir, args, needle):

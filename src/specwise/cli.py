@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="specwise-run", help="output directory: run.db and report.html (default ./specwise-run)"
     )
     ev.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    ev.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="with --resume: also run again the requests whose record is an error (the new record replaces it)",
+    )
     ev.add_argument("--device", default="cpu")
     _precision_flags(ev)
     ev.add_argument(
@@ -177,7 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        help="require 'Authorization: Bearer KEY' on /v1 routes and the API docs (repeat for several clients' keys; "
+        "default $SPECWISE_API_KEY, comma-separated keys — out of `ps`)",
+    )
+    srv.add_argument(
+        "--suffix-history",
+        default="per-key",
+        choices=["per-key", "shared", "off"],
+        help="whose earlier outputs suffix drafts may come from: per-key (requests of the same API key; default — "
+        "with no --api-key that is every client), shared (all clients: a client could probe another's outputs "
+        "through the acceptance it is told), or off",
+    )
     srv.add_argument(
         "--admin-key",
         default=os.environ.get("SPECWISE_ADMIN_KEY"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from specwise.errors import SpecwiseError
+
 
 @dataclass
 class SpecCounts:
@@ -128,16 +130,36 @@ class SpecCounts:
 
     @classmethod
     def from_usage(cls, u: dict | None) -> SpecCounts:
+        """From a server's `usage.speculative`; a value of the wrong kind is refused (SpecwiseError) by name."""
         u = u or {}
+
+        def count(key: str) -> int:
+            v = u.get(key) or 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecwiseError(f"the server reported speculative.{key} = {v!r:.80}, not a count")
+            return v
+
+        def counts(key: str) -> list[int]:
+            v = u.get(key) or []
+            if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
+                raise SpecwiseError(f"the server reported speculative.{key} = {v!r:.80}, not a list of counts")
+            return list(v)
+
+        def seconds(key: str) -> float:
+            v = u.get(key) or 0.0
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+                raise SpecwiseError(f"the server reported speculative.{key} = {v!r:.80}, not a time in seconds")
+            return float(v)
+
         return cls(
-            steps=u.get("verification_steps") or 0,
-            drafted=u.get("drafted_tokens") or 0,
-            accepted=u.get("accepted_tokens") or 0,
-            rejections=u.get("rejections") or 0,
-            drafted_per_position=list(u.get("drafted_per_position") or []),
-            accepted_per_position=list(u.get("accepted_per_position") or []),
-            drafting_time=u.get("drafting_time") or 0.0,
-            verification_time=u.get("verification_time") or 0.0,
+            steps=count("verification_steps"),
+            drafted=count("drafted_tokens"),
+            accepted=count("accepted_tokens"),
+            rejections=count("rejections"),
+            drafted_per_position=counts("drafted_per_position"),
+            accepted_per_position=counts("accepted_per_position"),
+            drafting_time=seconds("drafting_time"),
+            verification_time=seconds("verification_time"),
         )
 
 

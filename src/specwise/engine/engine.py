@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -36,6 +37,8 @@ from specwise.engine.verify import Verdict, coupled_verify, greedy_verify, rejec
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
 from specwise.specs import K_MAX, VERIFY_METHODS, check_k_max, check_verify, parse_k
+
+log = logging.getLogger("specwise.engine")
 
 DEFAULT_MAX_LEN = 2048
 PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
@@ -101,6 +104,7 @@ class Sequence:
     submitted: float
     drafter: str | None = None  # which of the engine's drafters proposes for this request
     history: bool = True  # may draft from, and add to, drafters' cross-request history (suffix)
+    tenant: str = ""  # whose history that is (the server: the API key a request came with)
     verify: str = VERIFY_METHODS[0]  # how sampled drafts are verified
     logprobs: list[TokenLogprob] | None = None
     slot: int = -1
@@ -160,6 +164,7 @@ class Engine:
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.k_limit: int | None = None  # … and may cap the draft length (a per-load k table)
         self.last_step_rows: list[tuple[int, int]] = []
+        self.faults: list[tuple[str, Exception]] = []  # (request id, error) of requests the last step failed alone
         self._probe_wait = 0  # batch steps since a lone probe was let through (see `_plan`)
         # Per drafter, the recent requests' per-token acceptance: where adaptive k starts a new request, so that
         # traffic whose drafts fail (general chat) does not pay a warm-up of failing drafts on every request.
@@ -182,22 +187,39 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a plain prompt or of chat messages rendered with the model's chat template."""
+        """Token ids of a plain prompt or of chat messages rendered with the model's chat template. A text too long
+        in bytes to fit the context whatever its tokens is refused before the tokenizer spends time on it."""
         if isinstance(prompt, list):
             if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
                 raise SpecwiseError(
                     "chat messages must be a non-empty list of {'role': ..., 'content': ...}", param="prompt"
                 )
+            self._check_bytes(sum(len(str(m["content"]).encode("utf-8", "replace")) for m in prompt))
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if not isinstance(prompt, str) or not prompt:
             raise SpecwiseError(
                 "the prompt is empty: give at least one character of text (or chat messages)", param="prompt"
             )
+        self._check_bytes(len(prompt.encode("utf-8", "replace")))
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise SpecwiseError("the prompt encodes to no tokens: give some text", param="prompt")
         return ids
+
+    def _check_bytes(self, nbytes: int) -> None:
+        """Refuse a text that cannot fit the context: every token covers at most `max_token_bytes` bytes of it, so
+        it has at least nbytes / that many tokens (with a factor of 2 to spare for decoders that rewrite text)."""
+        if not hasattr(self, "_max_token_bytes"):
+            self._max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.vocab()), default=1)
+        most = 2 * self.max_len * max(self._max_token_bytes, 1)
+        if nbytes > most:
+            raise SpecwiseError(
+                f"the prompt is {nbytes} bytes: at most {self._max_token_bytes} bytes a token, that is more than the "
+                f"context of {self.max_len} tokens holds (prompts of at most {most} bytes are read)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def prepare(
         self,
@@ -211,13 +233,17 @@ class Engine:
         history: bool = True,
         verify: str | None = None,
         choice: int = 0,
+        tokens: list[int] | None = None,
+        tenant: str = "",
     ) -> Sequence:
         """Check and encode a request without queueing it (safe from another thread than the loop's).
 
         `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request;
         `fill_context` lets it generate up to the rest of the context (OpenAI's default when no limit is given);
         `verify` overrides the engine's verification method; `choice` is the index of this sequence among a
-        request's `n` (its random stream: choice 0 of a seeded request is what the same request with n = 1 gives).
+        request's `n` (its random stream: choice 0 of a seeded request is what the same request with n = 1 gives);
+        `tokens`: the prompt already encoded (`encode_prompt`: n choices render and encode it once); `tenant`: whose
+        cross-request history the request may draft from and add to (suffix drafting keeps one per tenant).
         """
         params = params or SamplingParams()
         method = self.verify if verify is None else check_verify(verify)
@@ -228,7 +254,7 @@ class Engine:
                 f"{self.vocab - 1})",
                 param="logit_bias",
             )
-        ids = self.encode_prompt(prompt)
+        ids = list(tokens) if tokens is not None else self.encode_prompt(prompt)
         outside = [t for t in ids if not 0 <= t < self.vocab]
         if outside:  # a tokenizer larger than the model's vocabulary: refused here, not inside a batch's pass
             raise SpecwiseError(
@@ -279,6 +305,7 @@ class Engine:
             history=history,
             verify=method,
             logprobs=[] if params.logprobs is not None else None,
+            tenant=tenant,
         )
         seq.stats.prompt_tokens = len(ids)
         return seq
@@ -328,6 +355,8 @@ class Engine:
             for event in self.step():
                 if event.result is not None:
                     results[event.request_id] = event.result
+            if self.faults:
+                raise self.faults[0][1]
         return [results[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
@@ -339,6 +368,9 @@ class Engine:
                     yield event
                     if event.finished:
                         return
+            for fid, exc in self.faults:
+                if fid == rid:
+                    raise exc
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (a client went away); its slot is free for the next step."""
@@ -354,18 +386,38 @@ class Engine:
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
-    def step(self) -> list[StreamEvent]:
+    def step(self, only: str | None = None) -> list[StreamEvent]:
         """Admit what fits, then one pass: a draft → verify → commit round for every decoding sequence, plus the next
-        chunk of every admitted prompt (a sequence whose prompt completes gets its first token)."""
+        chunk of every admitted prompt (a sequence whose prompt completes gets its first token).
+
+        A failure in the shared part of the pass (drafting, the target pass, verification) raises with no request
+        changed, so the step can be retried; a failure in one request's commit fails that request alone (it is
+        retired and listed in `faults`). `only` steps one running request by itself, admitting nothing: how the
+        scheduler finds the request a failing step belongs to (a row's result does not depend on its pass)."""
         self.last_step_rows = []  # (drafted, accepted) per decoded row, for metrics
-        while self.waiting and self.free_slots:
-            self._admit(self.waiting.popleft())
-        decoding = [s for s in self.running if s.finish_reason is None and s.prefilled == s.prompt_len]
-        chunks = self._prefill_chunks(bool(decoding))
-        events = self._pass(decoding, chunks) if decoding or chunks else []
+        self.faults = []
+        if only is None:
+            while self.waiting and self.free_slots:
+                self._admit(self.waiting.popleft())
+        pool = self.running if only is None else [s for s in self.running if s.request_id == only]
+        decoding = [s for s in pool if s.finish_reason is None and s.prefilled == s.prompt_len]
+        chunks = self._prefill_chunks(bool(decoding), pool)
+        saved = [(seq, seq.prefilled, seq.prefill_started) for seq, _, _ in chunks]
+        try:
+            events = self._pass(decoding, chunks) if decoding or chunks else []
+        except Exception:
+            for seq, prefilled, started in saved:  # the shared part failed: leave every request as it was
+                seq.prefilled, seq.prefill_started = prefilled, started
+            raise
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self._retire(seq)
         return events
+
+    def _fault(self, seq: Sequence, exc: Exception) -> None:
+        """One request's own commit failed: it ends (retired by the step), the others carry on."""
+        log.exception("request %s failed in its commit; the rest of the batch carries on", seq.request_id)
+        seq.finish_reason = "error"
+        self.faults.append((seq.request_id, exc))
 
     def _admit(self, seq: Sequence) -> None:
         seq.slot = self.free_slots.pop(0)
@@ -373,7 +425,7 @@ class Engine:
         seq.admitted = self._now()
         seq.stats.queue_time = seq.admitted - seq.submitted
 
-    def _prefill_chunks(self, busy: bool) -> list[tuple[Sequence, int, int]]:
+    def _prefill_chunks(self, busy: bool, pool: list[Sequence]) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens
         while other sequences decode (so an arrival never stalls them for a whole prompt); when nothing else runs,
         up to PREFILL_IDLE tokens of the first waiting prompt alone (prompts cost the same taken together or one
@@ -381,7 +433,7 @@ class Engine:
         is in, so chunking changes no output."""
         budget = self.prefill_chunk if busy else max(self.prefill_chunk, PREFILL_IDLE)
         chunks: list[tuple[Sequence, int, int]] = []
-        for seq in self.running:
+        for seq in pool:
             if budget <= 0 or (chunks and not busy):
                 break
             if seq.prefilled < seq.prompt_len:
@@ -459,19 +511,25 @@ class Engine:
         if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
             self.costs.observe_pass(len(tokens), t2 - t1)
         events = []
+        firsts_verdicts = [self._verify(seq, Draft([]), logits[at : at + 1]) for seq, at in firsts]
+        # Every request's own part from here: a failure in one fails that request only.
         for seq, draft, verdict, dt, lps in zip(seqs, drafts, verdicts, draft_time, row_logprobs, strict=True):
-            if seq.controller is not None:
-                seq.controller.observe(len(draft.tokens), verdict.accepted)
-            seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
-            self.last_step_rows.append((len(draft.tokens), verdict.accepted))
-            events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token], lps))
-        for seq, at in firsts:
-            verdict, lps = self._verify(seq, Draft([]), logits[at : at + 1])
-            token = verdict.token
-            seq.stats.prefill_time = t2 - seq.prefill_started
-            seq.first_token_at = t2
-            seq.stats.ttft = t2 - seq.submitted
-            events.append(self._commit(seq, [token], lps))
+            try:
+                if seq.controller is not None:
+                    seq.controller.observe(len(draft.tokens), verdict.accepted)
+                seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
+                self.last_step_rows.append((len(draft.tokens), verdict.accepted))
+                events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token], lps))
+            except Exception as exc:
+                self._fault(seq, exc)
+        for (seq, _), (verdict, lps) in zip(firsts, firsts_verdicts, strict=True):
+            try:
+                seq.stats.prefill_time = t2 - seq.prefill_started
+                seq.first_token_at = t2
+                seq.stats.ttft = t2 - seq.submitted
+                events.append(self._commit(seq, [verdict.token], lps))
+            except Exception as exc:
+                self._fault(seq, exc)
         return events
 
     def _verify(self, seq: Sequence, draft: Draft, scores: torch.Tensor) -> tuple[Verdict, list[TokenLogprob] | None]:

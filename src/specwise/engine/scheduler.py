@@ -25,6 +25,10 @@ Sink = Callable[[StreamEvent | BaseException], None]
 POLICIES = ("always", "never", "auto", "table")
 
 
+class SchedulerDown(SpecwiseError):
+    """The engine's thread has stopped: nothing more can be served (the server answers 503)."""
+
+
 class QueueFull(SpecwiseError):
     """The bounded waiting queue is full; the client should retry after `retry_after` seconds."""
 
@@ -134,6 +138,7 @@ class Scheduler:
         self.recent_e2e = 1.0  # smoothed seconds per request, for Retry-After
         self.policy_changes: list[PolicyChange] = []
         self.on_policy: list[Callable[[PolicyChange], None]] = []  # told of each change, on the loop's thread
+        self.failure: BaseException | None = None  # what stopped the loop's thread, if anything did
 
     # --- callers' side -------------------------------------------------------------------------------------
 
@@ -144,6 +149,18 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self.engine.running)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's thread is up and serving (False before `start`, after `stop` or a fatal error)."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None and not self._stop.is_set()
+
+    def _check_up(self) -> None:
+        if self.failure is not None:
+            raise SchedulerDown(
+                f"the server's engine has stopped ({type(self.failure).__name__}: {self.failure}); restart it",
+                code="engine_down",
+            )
 
     def submit(
         self,
@@ -158,22 +175,41 @@ class Scheduler:
         history: bool = True,
         verify: str | None = None,
         choice: int = 0,
+        tokens: list[int] | None = None,
+        tenant: str = "",
     ) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
-        input and QueueFull when the waiting queue holds `max_queue` requests."""
+        input, QueueFull when the waiting queue holds `max_queue` requests (checked before the prompt is encoded,
+        and again after) and SchedulerDown once the loop has stopped. `tokens`: the prompt already encoded."""
+        self._check_queue()
         seq = self.engine.prepare(
-            prompt, params, request_id, speculative, drafter, k, fill_context, history, verify=verify, choice=choice
+            prompt,
+            params,
+            request_id,
+            speculative,
+            drafter,
+            k,
+            fill_context,
+            history,
+            verify=verify,
+            choice=choice,
+            tokens=tokens,
+            tenant=tenant,
         )
-        with self._lock:
-            if self.waiting >= self.max_queue:
-                per_slot = self.recent_e2e / max(self.engine.max_batch, 1)
-                raise QueueFull(
-                    f"the server's queue is full ({self.max_queue} requests waiting): retry later",
-                    retry_after=max(1.0, self.waiting * per_slot),
-                )
+        with self._lock:  # the put is under the lock, so a dying loop either sees this request or refuses it
+            self._check_queue()
             self._pending += 1
-        self._inbox.put(("submit", seq, sink))
+            self._inbox.put(("submit", seq, sink))
         return seq
+
+    def _check_queue(self) -> None:
+        self._check_up()
+        if self.waiting >= self.max_queue:
+            per_slot = self.recent_e2e / max(self.engine.max_batch, 1)
+            raise QueueFull(
+                f"the server's queue is full ({self.max_queue} requests waiting): retry later",
+                retry_after=max(1.0, self.waiting * per_slot),
+            )
 
     def set_policy(self, policy: Policy, by: str, reason: str = "") -> None:
         """Replace the load policy from the next step on (running requests carry on under it); any thread."""
@@ -229,6 +265,15 @@ class Scheduler:
                 log.exception("policy change hook failed")
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a fault of the loop itself: nothing more can be served, so say so to all
+            log.critical("the engine loop stopped", exc_info=exc)
+            with self._lock:
+                self.failure = exc
+            self._fail_all(exc)
+
+    def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             if not engine.has_work:
@@ -242,21 +287,24 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 events = engine.step()
-            except Exception as exc:  # an engine fault fails the requests in flight, not the server
-                log.exception("engine step failed; failing the requests in the batch")
-                self._fail_all(exc)
-                continue
+                self._fail_faults()
+            except Exception:  # find the request at fault: it fails, every other carries on
+                log.exception("engine step failed; stepping each request alone to find the one at fault")
+                events = self._isolate()
             if self.on_step is not None:
-                self.on_step(
-                    StepReport(
-                        len(engine.running),
-                        len(engine.waiting),
-                        engine.speculate,
-                        list(engine.last_step_rows),
-                        time.perf_counter() - t0,
-                        self.policy.switches,
+                try:
+                    self.on_step(
+                        StepReport(
+                            len(engine.running),
+                            len(engine.waiting),
+                            engine.speculate,
+                            list(engine.last_step_rows),
+                            time.perf_counter() - t0,
+                            self.policy.switches,
+                        )
                     )
-                )
+                except Exception:  # metrics must not stop the engine
+                    log.exception("step hook failed")
             for event in events:
                 sink = self._sinks.get(event.request_id)
                 if event.result is not None:
@@ -265,9 +313,39 @@ class Scheduler:
                 if sink is not None:
                     sink(event)
 
+    def _isolate(self) -> list[StreamEvent]:
+        """After a failed step: step each running request alone. One that fails alone is failed (its client gets
+        the error); the others get the step they were due (the same tokens: rows do not depend on their pass)."""
+        events: list[StreamEvent] = []
+        for seq in list(self.engine.running):
+            try:
+                events += self.engine.step(only=seq.request_id)
+                self._fail_faults()
+            except Exception as exc:
+                log.warning("request %s fails alone too (%s): failing it", seq.request_id, type(exc).__name__)
+                self.engine.cancel(seq.request_id)
+                self._fail(seq.request_id, exc)
+        return events
+
+    def _fail_faults(self) -> None:
+        for rid, exc in self.engine.faults:
+            self._fail(rid, exc)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request the loop knows of, running, waiting and still in the inbox."""
         for seq in [*self.engine.running, *self.engine.waiting]:
-            self.engine.cancel(seq.request_id)
-            sink = self._sinks.pop(seq.request_id, None)
-            if sink is not None:
+            self._fail(seq.request_id, exc)
+        while True:
+            try:
+                kind, _, sink = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit" and sink is not None:
                 sink(exc)
+        for rid in list(self._sinks):
+            self._fail(rid, exc)

@@ -1,14 +1,18 @@
 """The server's side of monitoring: the request log (`--log`) and live drift gauges (`--drift-baseline`).
 
-Each finished request becomes a `LogEntry`: appended to the SQLite log when one is open, and kept in a window of
-recent requests that `/metrics` compares with the evaluation run, as `specwise_acceptance_rate` and
-`specwise_drift_alert` (1 when the monitor would say drifted or invalid).
+Each finished request becomes a `LogEntry`: appended to the SQLite log when one is open — by a writer thread of its
+own, so a slow disk never stalls the server's event loop — and kept in a window of recent requests that `/metrics`
+compares with the evaluation run, as `specwise_acceptance_rate` and `specwise_drift_alert` (1 when the monitor would
+say drifted or invalid). The window keeps counts, never text: its memory is bounded by its entry count however long
+the prompts (`--log-text` puts text in the file only).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +52,11 @@ class DriftWatch:
         self.window, self.alpha = window_seconds, alpha
         self.log = RequestLog(log_path) if log_path else None
         self.recent: collections.deque[LogEntry] = collections.deque(maxlen=max_recent)
+        self._writes: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
+        if self.log is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="specwise-request-log", daemon=True)
+            self._writer.start()
         self._lock = threading.Lock()
         self._cached: tuple[float, tuple[float, float, list[str]]] | None = None
         self._identities: dict[str | None, dict | None] = {}
@@ -83,10 +92,10 @@ class DriftWatch:
     def observe(self, entry: LogEntry) -> None:
         """Log a finished request, keep it for the drift window, and revert speculation if that drifted (once)."""
         if self.log is not None:
-            self.log.add(entry)
+            self._writes.put(("entry", entry))
         if self.baseline is not None:
             with self._lock:
-                self.recent.append(entry)
+                self.recent.append(dataclasses.replace(entry, prompt=None, output=None))
             if self.on_drift == "revert" and not self.reverted and self.revert is not None:
                 reasons = self._assess()[2]
                 if reasons:  # once: a person turns speculation back on (specwise policy set)
@@ -96,7 +105,28 @@ class DriftWatch:
     def on_policy(self, change) -> None:
         """Record a run-time policy change in the request log."""
         if self.log is not None:
-            self.log.add_policy_change(change.to_dict())
+            self._writes.put(("policy", change.to_dict()))
+
+    def _write_loop(self) -> None:
+        assert self.log is not None
+        while True:
+            kind, item = self._writes.get()
+            try:
+                if kind == "stop":
+                    return
+                if kind == "entry":
+                    self.log.add(item)
+                elif kind == "policy":
+                    self.log.add_policy_change(item)
+            except Exception:  # a full disk loses log rows, never requests
+                log.exception("request log write failed")
+            finally:
+                self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until every entry handed in so far is in the log file."""
+        if self._writer is not None:
+            self._writes.join()
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         """specwise_acceptance_rate and specwise_drift_alert over the recent window (recomputed at most every 5 s)."""
@@ -131,5 +161,10 @@ class DriftWatch:
         return out
 
     def close(self) -> None:
+        """Write what is queued, then close the log."""
+        if self._writer is not None:
+            self._writes.put(("stop", None))
+            self._writer.join(30)
+            self._writer = None
         if self.log is not None:
             self.log.close()

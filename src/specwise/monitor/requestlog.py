@@ -10,12 +10,14 @@ server writes. No torch here.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.paths import sqlite_readonly_uri
 from specwise.speccounts import SpecCounts
 
 LOG_SCHEMA_VERSION = 1
@@ -75,8 +77,12 @@ class RequestLog:
         try:
             if mode == "a":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                # Owner-only from its first byte (it may hold prompts and outputs); SQLite gives its WAL the same.
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
             self.db = sqlite3.connect(
-                str(self.path) if mode == "a" else f"file:{self.path}?mode=ro", uri=mode != "a", check_same_thread=False
+                str(self.path) if mode == "a" else sqlite_readonly_uri(self.path),
+                uri=mode != "a",
+                check_same_thread=False,
             )
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if mode == "a":

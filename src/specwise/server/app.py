@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specwise import __version__
 from specwise.engine.engine import GenerationResult, Sequence, StreamEvent, TokenLogprob
 from specwise.engine.sampling import SamplingParams
-from specwise.engine.scheduler import QueueFull, Scheduler
+from specwise.engine.scheduler import QueueFull, Scheduler, SchedulerDown
 from specwise.errors import SpecwiseError
 from specwise.server.admin import PolicyBody, policy_from_body, policy_view
 from specwise.server.metrics import CONTENT_TYPE, Metrics
@@ -44,6 +46,9 @@ from specwise.speccounts import SpecCounts
 
 log = logging.getLogger("specwise.server")
 DEFAULT_MAX_BODY = 1 << 20
+SUFFIX_HISTORY = ("per-key", "shared", "off")  # whose outputs a request's suffix drafts may come from
+DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # behind the API key too: they describe what a key opens
+_GONE = object()  # the relay's sentinel: the client disconnected
 
 
 @dataclass
@@ -51,10 +56,25 @@ class ServerState:
     scheduler: Scheduler
     model_name: str
     metrics: Metrics
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1 and the docs; none: open to all
     admin_key: str | None = None  # enables /admin (the policy switch); never the client API key
     info: dict = field(default_factory=dict)  # target identity, drafters, policy: shown by /v1/models
     on_finish: list[Callable[[Sequence, GenerationResult, dict], None]] = field(default_factory=list)
+    suffix_history: str = SUFFIX_HISTORY[0]  # per-key: requests see the history of their own key's requests only
+
+    def __post_init__(self) -> None:
+        if self.suffix_history not in SUFFIX_HISTORY:
+            raise SpecwiseError(
+                f"--suffix-history {self.suffix_history!r} is not allowed: choose one of {', '.join(SUFFIX_HISTORY)}"
+            )
+
+    def tenant(self, request: Request) -> tuple[str, bool]:
+        """(tenant, may use history) for a request: its API key's under per-key, one for all under shared."""
+        if self.suffix_history == "off":
+            return "", False
+        if self.suffix_history == "shared":
+            return "", True
+        return request.scope.get("specwise_key", ""), True
 
     @classmethod
     def build(
@@ -63,24 +83,25 @@ class ServerState:
         name: str,
         policy=None,
         max_queue: int = 64,
-        api_key: str | None = None,
+        api_key: str | list[str] | tuple[str, ...] | None = None,
         admin_key: str | None = None,
+        suffix_history: str = SUFFIX_HISTORY[0],
     ) -> ServerState:
         """Metrics, a scheduler over `engine` feeding them, and the provenance /v1/models shows."""
         metrics = Metrics(name)
         scheduler = Scheduler(engine, policy, max_queue=max_queue, on_step=metrics.on_step)
         scheduler.on_policy.append(metrics.on_policy)
-        histories = [d.history for d in engine.drafters.values() if hasattr(d, "history")]  # suffix drafters
-        if histories:
+        suffix = [d for d in engine.drafters.values() if hasattr(d, "history_tokens")]  # suffix drafters
+        if suffix:
             metrics.add_gauges(
                 lambda: {
                     "specwise_suffix_history_tokens": (
-                        "Tokens of earlier outputs kept for suffix drafting.",
-                        float(sum(h.tokens for h in histories)),
+                        "Tokens of earlier outputs kept for suffix drafting (all tenants).",
+                        float(sum(d.history_tokens() for d in suffix)),
                     ),
                     "specwise_suffix_history_bytes": (
-                        "Approximate memory of the suffix drafting history.",
-                        float(sum(h.nbytes() for h in histories)),
+                        "Approximate memory of the suffix drafting history (all tenants).",
+                        float(sum(d.history_bytes() for d in suffix)),
                     ),
                 }
             )
@@ -94,28 +115,44 @@ class ServerState:
             "max_len": engine.max_len,
             "kernels": engine.target.model.kernels,
             "version": __version__,
+            "suffix_history": suffix_history,
         }
-        return cls(scheduler, name, metrics, api_key, admin_key, info)
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        return cls(scheduler, name, metrics, keys, admin_key, info, suffix_history=suffix_history)
+
+
+def _key_index(auth: str, keys: tuple[str, ...]) -> int | None:
+    """Which of `keys` the Authorization header carries, compared in constant time (every key, every time)."""
+    found = None
+    given = auth.encode("utf-8", "replace")
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(given, f"Bearer {key}".encode()) and found is None:
+            found = i
+    return found
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 (401)."""
+    """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 and the
+    API documents (401); the index of the key a request came with goes into its scope (`specwise_key`)."""
 
-    def __init__(self, app, limit: int, api_key: str | None, admin_key: str | None = None):
-        self.app, self.limit, self.api_key, self.admin_key = app, limit, api_key, admin_key
+    def __init__(self, app, limit: int, api_keys: tuple[str, ...], admin_key: str | None = None):
+        self.app, self.limit, self.api_keys, self.admin_key = app, limit, api_keys, admin_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if self.api_keys and (path.startswith("/v1") or path.startswith(DOC_PATHS)):
             auth = headers.get("authorization", "")
-            if auth != f"Bearer {self.api_key}":
+            index = _key_index(auth, self.api_keys)
+            if index is None:
                 why = "no API key given" if not auth else "the API key is wrong"
                 return await _send_error(
                     send, 401, f"{why}: send 'Authorization: Bearer <key>'", "invalid_request_error", "invalid_api_key"
                 )
-        if scope["path"].startswith("/admin"):
+            scope["specwise_key"] = f"key-{index}"
+        if path.startswith("/admin"):
             auth = headers.get("authorization", "")
             if not self.admin_key:
                 return await _send_error(
@@ -125,10 +162,10 @@ class BodyLimit:
                     "invalid_request_error",
                     "admin_disabled",
                 )
-            if auth != f"Bearer {self.admin_key}":
+            if _key_index(auth, (self.admin_key,)) is None:
                 why = (
                     "that is the client API key; the admin API takes the --admin-key"
-                    if self.api_key and auth == f"Bearer {self.api_key}"
+                    if _key_index(auth, self.api_keys) is not None
                     else ("no admin key given" if not auth else "the admin key is wrong")
                 )
                 return await _send_error(
@@ -229,9 +266,13 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         )
 
     @app.get("/health")
-    async def health() -> dict:
-        """Liveness: the engine thread is up."""
-        return {"status": "ok"}
+    async def health():
+        """Liveness: 200 while the engine thread is up, 503 (with the reason) once it has stopped."""
+        sched = state.scheduler
+        if sched.alive:
+            return {"status": "ok"}
+        why = f"{type(sched.failure).__name__}: {sched.failure}" if sched.failure else "the engine is not running"
+        return JSONResponse({"status": "down", "reason": why}, status_code=503)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -279,7 +320,7 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         state.scheduler.set_policy(policy, "admin", body.reason or "")
         return {**policy_view(state.scheduler), "policy": policy.describe(), "applies": "from the next step"}
 
-    app.add_middleware(BodyLimit, limit=max_body, api_key=state.api_key, admin_key=state.admin_key)
+    app.add_middleware(BodyLimit, limit=max_body, api_keys=state.api_keys, admin_key=state.admin_key)
     return app
 
 
@@ -314,18 +355,29 @@ def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) 
 
 
 def _submit(
-    state: ServerState, body: SamplingFields, prompts: list, max_tokens: int | None, logprobs: int | None, sink
+    state: ServerState,
+    body: SamplingFields,
+    prompts: list,
+    max_tokens: int | None,
+    logprobs: int | None,
+    sink,
+    tenant: tuple[str, bool] = ("", True),
 ) -> list[Sequence]:
     """Queue every sequence of a request (each prompt × n choices; choice j of a seeded request draws from the seed's
-    stream j). All or none: a refusal takes back the ones already queued."""
+    stream j), each prompt rendered and encoded once. All or none: a refusal takes back the ones already queued.
+    Runs off the event loop (tokenizing a long prompt takes a while)."""
     spec = body.speculative
     submitted: list[Sequence] = []
+    owner, may_share = tenant
+    sched = state.scheduler
     try:
+        sched._check_queue()  # a full queue or a stopped engine refuses before any tokenizing
         params = _params(body, max_tokens, logprobs)
         for prompt in prompts:
+            tokens = sched.engine.encode_prompt(prompt)
             for j in range(body.choices()):
                 submitted.append(
-                    state.scheduler.submit(
+                    sched.submit(
                         prompt,
                         params,
                         sink,
@@ -333,9 +385,11 @@ def _submit(
                         drafter=spec.drafter if spec else None,
                         k=spec.k if spec else None,
                         fill_context=max_tokens is None,  # as OpenAI: up to the rest of the context
-                        history=spec.history if spec and spec.history is not None else True,
+                        history=may_share and (spec.history if spec and spec.history is not None else True),
                         verify=spec.verify if spec else None,
                         choice=j,
+                        tokens=tokens,
+                        tenant=owner,
                     )
                 )
         return submitted
@@ -344,6 +398,9 @@ def _submit(
         raise ProtocolError(
             str(exc), None, 429, "rate_limit_error", "queue_full", {"Retry-After": str(int(exc.retry_after + 0.999))}
         ) from None
+    except SchedulerDown as exc:
+        _take_back(state, submitted)
+        raise ProtocolError(str(exc), None, 503, "server_error", exc.code) from None
     except SpecwiseError as exc:  # the engine names the input at fault; here it becomes the request's field
         _take_back(state, submitted)
         param = exc.param
@@ -354,6 +411,27 @@ def _submit(
         elif param == "top_logprobs" and not isinstance(prompts[0], list):
             param = "logprobs"
         raise ProtocolError(str(exc), param, 400, "invalid_request_error", exc.code) from None
+    except BaseException:
+        _take_back(state, submitted)
+        raise
+
+
+async def _submit_off_loop(state: ServerState, request: Request, body, prompts, max_tokens, logprobs, sink):
+    """`_submit` on a worker thread, so a long prompt's tokenizing never stalls other streams. If the client goes
+    away meanwhile, whatever it queued is taken back once the thread is done."""
+    job = asyncio.get_running_loop().run_in_executor(
+        None, _submit, state, body, prompts, max_tokens, logprobs, sink, state.tenant(request)
+    )
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+
+        def undo(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                _take_back(state, f.result())
+
+        job.add_done_callback(undo)
+        raise
 
 
 def _take_back(state: ServerState, seqs: list[Sequence]) -> None:
@@ -469,7 +547,7 @@ async def _generate(
     relay = _Relay()
     started = time.perf_counter()
     load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
-    seqs = _submit(state, body, prompts, max_tokens, logprobs, relay)
+    seqs = await _submit_off_loop(state, request, body, prompts, max_tokens, logprobs, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     choices = {seq.request_id: _Choice(i, seq) for i, seq in enumerate(seqs)}
 
@@ -493,15 +571,13 @@ async def _generate(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+    watcher = asyncio.create_task(_watch_disconnect(request, relay))
     try:
         while any(c.result is None for c in choices.values()):
-            try:
-                at, event = await asyncio.wait_for(relay.queue.get(), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    _take_back(state, seqs)
-                    return Response(status_code=499)
-                continue
+            at, event = await _next_event(state, relay)
+            if event is _GONE:  # the client went away: its slots are free from the next step
+                _take_back(state, seqs)
+                return Response(status_code=499)
             if isinstance(event, BaseException):
                 _take_back(state, seqs)
                 raise ProtocolError(
@@ -517,6 +593,8 @@ async def _generate(
     except asyncio.CancelledError:
         _take_back(state, seqs)
         raise
+    finally:
+        watcher.cancel()
     out = []
     for c in choices.values():
         assert c.result is not None
@@ -538,6 +616,27 @@ async def _generate(
         "choices": out,
         "usage": {**usage, "speculative": _spec_usage(seqs)},
     }
+
+
+async def _watch_disconnect(request: Request, relay: _Relay) -> None:
+    """Wait for the client's disconnect (the body is already read, so the next message is that) and tell the loop
+    waiting on `relay`: a non-streaming request's slots are freed within a step of the client going away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            relay.queue.put_nowait((time.perf_counter(), _GONE))
+            return
+
+
+async def _next_event(state: ServerState, relay: _Relay, every: float = 2.0) -> tuple[float, Any]:
+    """The next event of a request; if the engine's thread has died with nothing more to say, its error."""
+    while True:
+        try:
+            return await asyncio.wait_for(relay.queue.get(), timeout=every)
+        except TimeoutError:
+            if not state.scheduler.alive:
+                failure = state.scheduler.failure or RuntimeError("the engine stopped")
+                return time.perf_counter(), failure
 
 
 async def _stream(
@@ -580,7 +679,7 @@ async def _stream(
             for c in choices.values():
                 yield sse(chunk(c, None, None))
         while any(c.result is None for c in choices.values()):
-            at, event = await relay.queue.get()
+            at, event = await _next_event(state, relay)
             if isinstance(event, BaseException):
                 yield sse(error_body(f"the engine failed while generating ({type(event).__name__})", "server_error"))
                 break

@@ -7,6 +7,7 @@ refused flag must stay fast and torch-free.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -36,6 +37,23 @@ def read_policy_from(args: argparse.Namespace):
     return Policy(mode, high or 1), why
 
 
+def api_keys(given: list[str] | None) -> tuple[str, ...]:
+    """The client keys: every --api-key, else $SPECWISE_API_KEY's comma-separated keys; an empty one is refused."""
+    if given is None:
+        env = os.environ.get("SPECWISE_API_KEY")
+        given = env.split(",") if env is not None else []
+        where = "$SPECWISE_API_KEY"
+    else:
+        where = "--api-key"
+    keys = [k.strip() for k in given]
+    if any(not k for k in keys):
+        raise SpecwiseError(f"{where} holds an empty key: give a key, or leave it out")
+    bad = [k for k in keys if any(c.isspace() or not c.isprintable() for c in k)]
+    if bad:
+        raise SpecwiseError(f"{where}: a key may not hold spaces or control characters (it travels in a header)")
+    return tuple(dict.fromkeys(keys))
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
     from specwise.engine.scheduler import Policy  # imports torch
@@ -46,10 +64,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--max-queue, --max-batch and --prefill-chunk must be ≥ 1")
     if args.max_body < 1024:
         raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
-    if args.api_key is not None and not args.api_key.strip():
-        raise SpecwiseError("--api-key is empty: give a key, or leave the flag out")
-    if args.admin_key is not None and (not args.admin_key.strip() or args.admin_key == args.api_key):
-        raise SpecwiseError("--admin-key must be a non-empty key of its own (not the client --api-key)")
+    keys = api_keys(args.api_key)
+    if args.admin_key is not None and (not args.admin_key.strip() or args.admin_key in keys):
+        raise SpecwiseError("--admin-key must be a non-empty key of its own (not a client --api-key)")
     if args.on_drift == "revert" and not args.drift_baseline:
         raise SpecwiseError("--on-drift revert needs --drift-baseline RUN.db (what the traffic is compared with)")
     why = None
@@ -90,7 +107,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
     for spec in drafters:
         engine.add_drafter(spec)
     name = args.served_model_name or target.identity.name.removesuffix(".gguf")
-    state = ServerState.build(engine, name, policy, args.max_queue, args.api_key, args.admin_key)
+    state = ServerState.build(
+        engine, name, policy, args.max_queue, keys, args.admin_key, suffix_history=args.suffix_history
+    )
     scheduler = state.scheduler
     watch = None
     if args.log or baseline is not None:

@@ -9,6 +9,7 @@ Unknown fields are refused, as OpenAI does, so a typo is not silently ignored. F
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,8 @@ from specwise.specs import K_MAX
 MAX_STOP = 4
 MAX_N = 16  # choices of one request (n), and prompts × n of one completions request
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, OpenAI's cap (each costs work per row per step)
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")
 VERIFY = Literal["coupled", "rejection"]  # specs.VERIFY_METHODS (a test keeps them equal)
 
 
@@ -103,8 +106,10 @@ class SamplingFields(Strict):
     def _bias(cls, v):
         if v is None:
             return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed (as OpenAI), got {len(v)}")
         for key in v:
-            if not key.strip().isdigit():
+            if not _TOKEN_ID.fullmatch(key.strip()):  # ASCII digits only: "²".isdigit() is true, int("²") fails
                 raise ValueError(f'logit_bias keys are token ids (strings of digits such as "50256"), got {key!r}')
         return v
 

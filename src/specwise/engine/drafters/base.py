@@ -25,6 +25,7 @@ class SequenceView(Protocol):
     noise: Noise  # the request's counter-based random numbers, keyed by output position
     verify: str  # "coupled": draw with the target's Gumbel noise; "rejection": with the drafter's own uniforms
     history: bool  # may draft from, and add to, a drafter's cross-request history (suffix)
+    tenant: str  # whose history: requests of different tenants never see each other's outputs
 
 
 @dataclass

@@ -100,24 +100,44 @@ class SuffixIndex:
 @dataclass
 class _Slot:
     """A running request's state: its own index, how many of its tokens it counted, its token list (complete when it
-    is released) and prompt length, and whether it may use the shared history."""
+    is released) and prompt length, and the shared history it may use (None: it opted out)."""
 
     index: SuffixIndex
     tokens: list[int]
     prompt_len: int
-    shared: bool
+    shared: SuffixIndex | None
     seen: int = 0
 
 
 class SuffixDrafter:
-    """Suffix drafting over the request itself and the history of earlier requests (see the module docstring)."""
+    """Suffix drafting over the request itself and the history of earlier requests (see the module docstring).
+
+    The history is kept per tenant (`SequenceView.tenant`: the server passes the API key a request came with), so
+    one client cannot probe another's outputs through the acceptance its drafts get; requests of one tenant share."""
 
     def __init__(self, max_tokens: int = HISTORY_TOKENS, depth: int = DEPTH):
-        """`max_tokens` bounds the shared history; 0 turns it off (each request drafts from itself only)."""
+        """`max_tokens` bounds each tenant's shared history; 0 turns it off (each request drafts from itself only)."""
         self.name = "suffix" if max_tokens == HISTORY_TOKENS else f"suffix:{max_tokens}"
-        self.depth = depth
-        self.history = SuffixIndex(depth, max_tokens)
+        self.depth, self.max_tokens = depth, max_tokens
+        self.histories: dict[str, SuffixIndex] = {}  # tenant → its history ("" when the server tells them apart not)
         self.local: dict[int, _Slot] = {}  # slot → its request's state
+
+    def shared(self, tenant: str = "") -> SuffixIndex:
+        """The history of `tenant` (created empty on first use)."""
+        if tenant not in self.histories:
+            self.histories[tenant] = SuffixIndex(self.depth, self.max_tokens)
+        return self.histories[tenant]
+
+    @property
+    def history(self) -> SuffixIndex:
+        """The history of requests that name no tenant."""
+        return self.shared("")
+
+    def history_tokens(self) -> int:
+        return sum(h.tokens for h in self.histories.values())
+
+    def history_bytes(self) -> int:
+        return sum(h.nbytes() for h in self.histories.values())
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         out = []
@@ -125,7 +145,7 @@ class SuffixDrafter:
             tokens = seq.token_ids
             slot = self.local.get(seq.slot)
             if slot is None or slot.tokens is not tokens:  # a new request in this slot
-                shared = seq.history and self.history.max_tokens != 0
+                shared = self.shared(getattr(seq, "tenant", "")) if seq.history and self.max_tokens != 0 else None
                 slot = self.local[seq.slot] = _Slot(SuffixIndex(self.depth), tokens, seq.prompt_len, shared)
             slot.index.extend(tokens, slot.seen)
             slot.seen = len(tokens)
@@ -133,18 +153,19 @@ class SuffixDrafter:
                 out.append(Draft([]))
                 continue
             mine = slot.index.continuation(tokens, k)
-            theirs = self.history.continuation(tokens, k, GLOBAL_MIN_MATCH) if slot.shared else []
+            theirs = slot.shared.continuation(tokens, k, GLOBAL_MIN_MATCH) if slot.shared is not None else []
             out.append(Draft(theirs if len(theirs) > len(mine) else mine))
         return out
 
     def release(self, slot: int) -> None:
-        """The request in `slot` finished: its output joins the history (only requests this drafter served)."""
+        """The request in `slot` finished: its output joins its tenant's history (only requests this drafter
+        served; a request that opted out leaves nothing behind)."""
         state = self.local.pop(slot, None)
-        if state is not None and state.shared:  # a request that opted out leaves nothing behind
-            self.history.add(list(state.tokens[state.prompt_len :]))
+        if state is not None and state.shared is not None:
+            state.shared.add(list(state.tokens[state.prompt_len :]))
 
     def extra_memory_bytes(self) -> int:
-        return self.history.nbytes() + sum(state.index.nbytes() for state in self.local.values())
+        return self.history_bytes() + sum(state.index.nbytes() for state in self.local.values())
 
     def provenance(self, target_sha256: str) -> dict:
         return {"name": self.name, "derived_from": None}  # no weights: proposals come from text alone
