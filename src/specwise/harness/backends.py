@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -23,6 +24,20 @@ from typing import Protocol
 from specwise.errors import SpecwiseError
 from specwise.harness.load import Load
 from specwise.harness.store import Record
+
+# Secrets a server command may carry: a key flag's value, a secret-looking environment assignment, a bearer token.
+_SECRET_FLAG = re.compile(r"(--?(?:\w+[-_])*(?:key|token|secret|password))(=|\s+)(\"[^\"]*\"|'[^']*'|\S+)", re.I)
+_SECRET_ENV = re.compile(r"\b(\w*(?:KEY|TOKEN|SECRET|PASSWORD))=(\"[^\"]*\"|'[^']*'|\S+)", re.I)
+_BEARER = re.compile(r"(Bearer\s+)[^\s'\"]+", re.I)
+
+
+def redact(command: str | None) -> str | None:
+    """A server command as it may be stored and shown: every API key, token or password in it replaced by ***."""
+    if command is None:
+        return None
+    out = _SECRET_FLAG.sub(lambda m: f"{m[1]}{m[2]}***", command)
+    out = _SECRET_ENV.sub(lambda m: f"{m[1]}=***", out)
+    return _BEARER.sub(lambda m: f"{m[1]}***", out)
 
 
 @dataclass(frozen=True)
@@ -40,7 +55,7 @@ class Config:
     def to_dict(self) -> dict:
         d: dict = {"name": self.name, "drafter": self.drafter, "k": self.k}
         if self.options is not None or self.launch is not None:
-            d.update(options=self.options, launch=self.launch)
+            d.update(options=self.options, launch=redact(self.launch))  # what is stored: never a key
         if self.verify is not None:  # absent otherwise, so earlier plans keep their fingerprint
             d["verify"] = self.verify
         return d

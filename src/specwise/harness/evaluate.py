@@ -8,7 +8,9 @@ cores — and prints the verdict. `--quick` is a one-minute subset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -186,6 +188,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     # Everything is checked before the model loads or anything is measured.
     if args.launch and not args.endpoint:
         raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
+    if getattr(args, "retry_errors", False) and not args.resume:
+        raise SpecwiseError("--retry-errors needs --resume: it re-runs the failed requests of the run in --out")
     other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
     if args.endpoint and other_precision:
         raise SpecwiseError(
@@ -267,8 +271,24 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             verify=verify,
             activations=args.activations,
         )
+
+    # SIGTERM and SIGHUP end the run as Ctrl-C does: records are saved, launched servers stopped (every exit path;
+    # a kill -9 is covered by each launched server's reaper, http_backend._reaper).
+    def _interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError):  # not the main thread (tests): leave the handlers as they are
+            signal.signal(sig, _interrupt)
     try:
-        run(plan, store, backend, resume=args.resume, show_progress=not args.no_progress)
+        run(
+            plan,
+            store,
+            backend,
+            resume=args.resume,
+            show_progress=not args.no_progress,
+            retry_errors=getattr(args, "retry_errors", False),
+        )
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: every finished request is saved in {out / 'run.db'}; continue with --resume",

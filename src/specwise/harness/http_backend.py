@@ -12,6 +12,7 @@ up, measures, and stops it before starting the next. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -19,7 +20,9 @@ import queue
 import re
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Phase, Request, check_comparable, dispatch, hardware
+from specwise.harness.backends import Config, Phase, Request, check_comparable, dispatch, hardware, redact
 from specwise.harness.load import Load
 from specwise.harness.server_stats import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record
@@ -67,6 +70,7 @@ class HTTPBackend:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
         self.proc: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen | None = None  # kills the launched server's group if this process dies
         self.current: str | None = None
         if not self.launching:
             self.model = self._discover_model()
@@ -98,16 +102,35 @@ class HTTPBackend:
         self.target = entry.get("specwise", {}).get("target") or {"name": self.model, "endpoint": self.base}
         return self.model
 
+    def _check_port_free(self, name: str) -> None:
+        """Refuse to launch while something already answers at the endpoint: it would be measured in place of the
+        configuration (an orphan of an earlier run, another configuration's server, another program)."""
+        url = httpx.URL(self.base)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            with socket.create_connection((url.host, port), timeout=2.0):
+                pass
+        except OSError:
+            return
+        who = _listener(port)
+        raise SpecwiseError(
+            f"--launch for {name!r}: {url.host}:{port} already answers ({who or 'a process this user cannot see'}): "
+            "stop it first, or point --endpoint at a free port — a server there would be measured in place of "
+            "the one launched"
+        )
+
     def _start(self, name: str) -> None:
         cmd = self.configs[name].launch
+        self._check_port_free(name)
         log_path = (self.log_dir or Path(".")) / f"server-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until stopped
         try:
             self.proc = subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except (OSError, ValueError) as exc:
-            raise SpecwiseError(f"--launch for {name!r}: cannot start {cmd!r} ({exc})") from None
+            raise SpecwiseError(f"--launch for {name!r}: cannot start {redact(cmd)!r} ({exc})") from None
         finally:
             log.close()
+        self.reaper = _reaper(self.proc.pid)
         deadline = time.monotonic() + self.launch_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -145,6 +168,14 @@ class HTTPBackend:
         """Stop the launched server (its whole process group), politely first."""
         if self.proc is None:
             return
+        if self.reaper is not None:  # this stop is the orderly one: the reaper may go
+            with contextlib.suppress(OSError):
+                assert self.reaper.stdin is not None
+                self.reaper.stdin.write(b"ok")
+                self.reaper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reaper.wait(timeout=5)
+            self.reaper = None
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=30)
@@ -172,7 +203,7 @@ class HTTPBackend:
         return {
             "target": target,
             "hardware": {**hardware(), "endpoint": self.base, "measured_from": "client"},
-            "configs": {n: {"launch": c.launch, "options": c.options} for n, c in self.configs.items()},
+            "configs": {n: {"launch": redact(c.launch), "options": c.options} for n, c in self.configs.items()},
             "backend": "http",
         }
 
@@ -233,7 +264,7 @@ class HTTPBackend:
         done: queue.Queue[Record] = queue.Queue()
         threads: list[threading.Thread] = []
 
-        def submit(req: Request) -> None:
+        def submit(req: Request) -> None:  # _record always returns a record: dispatch never waits on a lost one
             t = threading.Thread(target=lambda: done.put(self._record(config, load, req)), daemon=True)
             t.start()
             threads.append(t)
@@ -260,18 +291,25 @@ class HTTPBackend:
         return parse_spec_counters(r.text) if r.status_code == 200 else None
 
     def _record(self, config: str, load: Load, req: Request) -> Record:
+        """One request's record; whatever the server answers (an error, a malformed stream, a dropped connection),
+        a record comes back — an error record then — so the phase goes on."""
         t0 = time.perf_counter()
         rec = Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, t0, t0)
         try:
-            out = self._one(config, req, t0)
+            return self._fill(rec, self._one(config, req, t0), t0)
         except SpecwiseError as exc:
             rec.finished, rec.error = time.perf_counter(), str(exc)
-            return rec
+        except Exception as exc:  # a response no client should have to read: this request's error, not the run's
+            rec.finished = time.perf_counter()
+            rec.error = f"the server's response could not be read ({type(exc).__name__}: {str(exc)[:200]})"
+        return rec
+
+    def _fill(self, rec: Record, out: dict, t0: float) -> Record:
         chunks, usage = out["chunks"], out["usage"] or {}
         rec.finished = out["finished"]
         rec.output, rec.finish_reason = out["text"], out["finish_reason"]
-        rec.prompt_tokens = usage.get("prompt_tokens", 0)
-        rec.output_tokens = usage.get("completion_tokens", len(chunks))
+        rec.prompt_tokens = _count(usage.get("prompt_tokens", 0), "prompt_tokens")
+        rec.output_tokens = _count(usage.get("completion_tokens", len(chunks)), "completion_tokens")
         rec.ttft = chunks[0] - t0 if chunks else None
         rec.itl = [b - a for a, b in itertools.pairwise(chunks)]
         rec.e2e = rec.finished - t0
@@ -317,16 +355,25 @@ class HTTPBackend:
                         obj = json.loads(data)
                     except ValueError:
                         raise SpecwiseError(f"the server sent a stream line that is not JSON: {data[:200]!r}") from None
+                    if not isinstance(obj, dict):
+                        raise SpecwiseError(f"the server sent a stream line that is not a JSON object: {data[:200]!r}")
                     if "error" in obj:
                         raise SpecwiseError(f"the server failed mid-stream: {_error_message(obj)}")
+                    if obj.get("usage") is not None and not isinstance(obj["usage"], dict):
+                        raise SpecwiseError(f"the server sent 'usage' that is not an object: {obj['usage']!r:.200}")
                     usage = obj.get("usage") or usage
                     if _final(obj):  # only a closing chunk carries statistics: keep text chunks cheap
                         spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats)
                         own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
                         prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
                         verify = own.get("verify", verify)  # specwise: how sampled drafts were verified
-                    for choice in obj.get("choices") or []:
+                    choices = obj.get("choices") or []
+                    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                        raise SpecwiseError(f"the server sent 'choices' that are not a list of objects: {data[:200]!r}")
+                    for choice in choices:
                         piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                        if piece is not None and not isinstance(piece, str):
+                            raise SpecwiseError(f"the server sent text that is not a string: {piece!r:.200}")
                         if piece:
                             text.append(piece)
                             chunks.append(time.perf_counter())
@@ -345,6 +392,66 @@ class HTTPBackend:
             "rendered": rendered,
             "finished": time.perf_counter(),
         }
+
+
+# A watchdog process per launched server: it holds the read end of a pipe only this process writes to. An orderly
+# stop writes "ok" first; if this process dies any other way (kill -9 included) the pipe closes unwritten and the
+# watchdog stops the server's whole process group, so no server outlives the run that launched it.
+_REAPER = """
+import os, signal, sys, time
+pgid = int(sys.argv[1])
+if sys.stdin.buffer.read() != b"ok":
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        for _ in range(100):
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                sys.exit(0)
+            time.sleep(0.1)
+"""
+
+
+def _reaper(pgid: int) -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _REAPER, str(pgid)], stdin=subprocess.PIPE, start_new_session=True
+        )
+    except OSError:
+        return None
+
+
+def _listener(port: int) -> str | None:
+    """Which process listens on TCP `port` ("pid 123: llama-server -m …"), from /proc, where this user can see it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(parts[9])
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {proc.name}: {redact(cmd[:160])}"
+    return None
+
+
+def _count(value: object, name: str) -> int:
+    """A token count from the server's usage, or the request's error naming what came instead."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecwiseError(f"the server reported usage.{name} = {value!r:.80}, not a count of tokens")
+    return value
 
 
 def _final(obj: dict) -> bool:

@@ -302,7 +302,18 @@ def to_json(run: Run) -> str:
     )
 
 
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may read as the start of a formula
+
+
+def _cell(value: object) -> object:
+    """A CSV cell that a spreadsheet shows as text: a string that could start a formula gets a leading quote."""
+    if isinstance(value, str) and value.startswith(_FORMULA):
+        return "'" + value
+    return value
+
+
 def to_csv(run: Run) -> str:
+    """One row per request; text cells escaped against formula injection (outputs and errors come from servers)."""
     buf = io.StringIO()
     fields = [
         "config",
@@ -324,23 +335,22 @@ def to_csv(run: Run) -> str:
     w = csv.DictWriter(buf, fieldnames=fields)
     w.writeheader()
     for r in run.records:
-        w.writerow(
-            {
-                "config": r.config,
-                "load": r.load,
-                "task_id": r.task_id,
-                "repeat": r.repeat,
-                "groups": "|".join(r.groups),
-                "prompt_tokens": r.prompt_tokens,
-                "output_tokens": r.output_tokens,
-                "ttft": r.ttft,
-                "e2e": r.e2e,
-                "prefill": r.prefill,
-                "decode": r.decode,
-                "drafted": r.spec.get("drafted"),
-                "accepted": r.spec.get("accepted"),
-                "passed": r.passed,
-                "error": r.error,
-            }
-        )
+        row = {
+            "config": r.config,
+            "load": r.load,
+            "task_id": r.task_id,
+            "repeat": r.repeat,
+            "groups": "|".join(r.groups),
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "ttft": r.ttft,
+            "e2e": r.e2e,
+            "prefill": r.prefill,
+            "decode": r.decode,
+            "drafted": r.spec.get("drafted"),
+            "accepted": r.spec.get("accepted"),
+            "passed": r.passed,
+            "error": r.error,
+        }
+        w.writerow({k: _cell(v) for k, v in row.items()})
     return buf.getvalue()

@@ -97,11 +97,13 @@ def run(
     resume: bool = False,
     show_progress: bool = True,
     chunk: int | None = None,
+    retry_errors: bool = False,
 ) -> None:
-    """Measure every (configuration, load, task, repeat) not yet in the store."""
+    """Measure every (configuration, load, task, repeat) not yet in the store; with `retry_errors` also those whose
+    record is an error (the new record replaces it)."""
     check_store(plan, store, resume)
     meta = plan.to_meta()
-    done = store.done_keys()
+    done = store.done_keys(retry_errors)
     info = backend.info()
     # Prompts, output limits and sampling are one plan's for every configuration; what can differ is each
     # configuration's system: its facts come from it (its engine, its launched server) and must agree. A server

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.paths import sqlite_readonly_uri
 
 SCHEMA_VERSION = 1
 
@@ -81,7 +82,7 @@ class Store:
                 if "chunks" not in columns:  # a file from before chunk sizes were recorded: add the column
                     self.db.execute("ALTER TABLE requests ADD COLUMN chunks TEXT")
             else:  # reading: touch nothing, and say so if this is not a results file
-                self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+                self.db = sqlite3.connect(sqlite_readonly_uri(self.path), uri=True)
                 tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
                 version = self.get_meta("schema_version") if "meta" in tables else None
                 if version is not None and version != SCHEMA_VERSION:
@@ -125,8 +126,10 @@ class Store:
                 f"INSERT OR REPLACE INTO requests ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
             )
 
-    def done_keys(self) -> set[tuple[str, str, str, int]]:
-        return set(self.db.execute("SELECT config, load, task_id, repeat FROM requests").fetchall())
+    def done_keys(self, retry_errors: bool = False) -> set[tuple[str, str, str, int]]:
+        """(config, load, task, repeat) of the stored records; with `retry_errors`, of the ones that did not fail."""
+        where = " WHERE error IS NULL" if retry_errors else ""
+        return set(self.db.execute(f"SELECT config, load, task_id, repeat FROM requests{where}").fetchall())
 
     def records(self) -> list[Record]:
         cur = self.db.execute("SELECT * FROM requests ORDER BY started")

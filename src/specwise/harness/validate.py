@@ -74,11 +74,14 @@ def _json_schema(text: str, p: dict) -> tuple[bool, str]:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         return False, f"not JSON ({exc.msg} at char {exc.pos})"
-
+    except RecursionError:
+        return False, "not JSON this validator can read: nested too deeply"
     try:
         jsonschema.validate(doc, p["schema"])
     except jsonschema.ValidationError as exc:
         return False, f"JSON does not match the schema: {exc.message}"
+    except RecursionError:
+        return False, "JSON nested too deeply to check against the schema"
     return True, ""
 
 
@@ -117,11 +120,23 @@ def check_validator(spec: object, where: str) -> dict:
             re.compile(spec["pattern"])
         except re.error as exc:
             raise SpecwiseError(f"{where}: regex {spec['pattern']!r} does not compile ({exc})") from None
+    if kind == "json_schema":
+        try:
+            jsonschema.validators.validator_for(spec["schema"]).check_schema(spec["schema"])
+        except jsonschema.SchemaError as exc:
+            raise SpecwiseError(f"{where}: validator 'json_schema' has an invalid schema: {exc.message}") from None
     if kind == "length" and spec.get("unit", "words") not in ("words", "chars"):
         raise SpecwiseError(f"{where}: validator 'length' unit must be 'words' or 'chars'")
     return spec
 
 
 def run_validators(text: str, specs: list[dict]) -> list[Outcome]:
-    """Judge one output with every validator of its task."""
-    return [Outcome(s["type"], *VALIDATORS[s["type"]][0](text, s)) for s in specs]
+    """Judge one output with every validator of its task. A validator that fails on an output (whatever the output
+    is) judges it failed, with the reason: a model's output never aborts a run."""
+    out = []
+    for s in specs:
+        try:
+            out.append(Outcome(s["type"], *VALIDATORS[s["type"]][0](text, s)))
+        except Exception as exc:  # RecursionError, MemoryError of a pathological output, a validator's own bug
+            out.append(Outcome(s["type"], False, f"the validator could not judge this output ({type(exc).__name__})"))
+    return out

@@ -1,0 +1,252 @@
+"""A run never hangs, never crashes on a model's output, never measures the wrong server (issue 21, items 11–14):
+validators judge any output, a malformed response is that request's error, launched servers never outlive the run
+and a port that already answers is refused, failed requests can be retried, CSV cells cannot become formulas."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from test_evaluate import cli, long_ctx_model  # noqa: F401 - the fixture
+from test_server import free_port
+
+from specwise.errors import SpecwiseError
+from specwise.harness.backends import Config, Request
+from specwise.harness.http_backend import HTTPBackend
+from specwise.harness.load import parse_load
+from specwise.harness.validate import run_validators
+from specwise.harness.workload import load_workload
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "array"}}}
+
+
+# --- item 11: validators ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["[" * 1000, "[" * 5000 + "]" * 5000, '{"a": ' + "[" * 3000 + "]" * 3000 + "}"])
+def test_a_pathological_output_fails_validation_with_a_reason_instead_of_aborting_the_run(output):
+    (outcome,) = run_validators(output, [{"type": "json_schema", "schema": SCHEMA}])
+    assert outcome.passed is False and "nested too deeply" in outcome.reason
+
+
+def test_an_invalid_json_schema_is_refused_when_the_workload_loads(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "tasks:\n  - {id: t, prompt: hi, max_tokens: 8,\n"
+        "     validators: [{type: json_schema, schema: {type: 12, minLength: -1}}]}\n"
+    )
+    with pytest.raises(SpecwiseError, match="invalid schema"):
+        load_workload(path)
+
+
+# --- item 12: malformed responses ------------------------------------------------------------------------------------
+
+STREAMS = {  # prompt → the body the server streams for it
+    "not-an-object": b"data: 1\n\n",
+    "usage-a-list": b'data: {"choices": [{"text": "hi", "finish_reason": "stop"}], "usage": [1, 2]}\n\n',
+    "choices-a-string": b'data: {"choices": "nope"}\n\n',
+    "text-a-number": b'data: {"choices": [{"text": 5}]}\n\n',
+    "count-a-string": b'data: {"choices": [{"text": "x", "finish_reason": "length"}], '
+    b'"usage": {"prompt_tokens": "many", "completion_tokens": 1}}\n\ndata: [DONE]\n\n',
+    "spec-garbage": b'data: {"choices": [{"text": "x", "finish_reason": "stop"}], '
+    b'"usage": {"completion_tokens": 1, "speculative": {"drafted_tokens": "x"}}}\n\ndata: [DONE]\n\n',
+    "fine": b'data: {"choices": [{"text": "ok", "finish_reason": "stop"}], '
+    b'"usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\ndata: [DONE]\n\n',
+}
+
+
+class Odd(BaseHTTPRequestHandler):
+    """An OpenAI-looking server that answers each prompt with one of STREAMS."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, body: bytes, kind: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(json.dumps({"data": [{"id": "odd"}]}).encode(), "application/json")
+
+    def do_POST(self):
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        self._send(STREAMS.get(prompt, STREAMS["fine"]), "text/event-stream")
+
+
+def test_every_malformed_response_becomes_that_requests_error_and_the_phase_goes_on():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    backend = HTTPBackend(f"http://127.0.0.1:{server.server_port}", None, [Config("baseline")])
+    records = []
+    requests = [Request(p, [], 0, i, p, 4) for i, p in enumerate(STREAMS)]
+    worker = threading.Thread(
+        target=backend.run, args=("baseline", parse_load("concurrent@2"), requests, records.append), daemon=True
+    )
+    worker.start()
+    worker.join(30)  # before: the first malformed line killed its request's thread and the phase waited for ever
+    try:
+        assert not worker.is_alive(), "the phase did not finish"
+        by = {r.task_id: r for r in records}
+        assert set(by) == set(STREAMS)
+        assert by["fine"].error is None and by["fine"].output == "ok"
+        for name, rec in by.items():
+            if name != "fine":
+                assert rec.error, name
+        assert "not a JSON object" in by["not-an-object"].error
+        assert "usage" in by["usage-a-list"].error and "prompt_tokens" in by["count-a-string"].error
+    finally:
+        backend.close()
+        server.shutdown()
+
+
+# --- item 13: launched servers ---------------------------------------------------------------------------------------
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+def test_launching_onto_a_port_that_already_answers_is_refused_naming_the_process(tiny_dir, tmp_path):
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 20
+        while not _answers(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port}"
+        proc = cli(
+            "evaluate",
+            "--endpoint",
+            f"http://127.0.0.1:{port}",
+            "--launch",
+            f"{serve} --policy never",
+            "--launch",
+            f"{serve} --drafter ngram",
+            "--out",
+            tmp_path / "out",
+            "--no-progress",
+            check=False,
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "already answers" in proc.stderr and f"pid {squatter.pid}" in proc.stderr, proc.stderr[-2000:]
+        assert squatter.poll() is None  # not ours to stop
+    finally:
+        squatter.kill()
+        squatter.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_launched_server_does_not_outlive_the_evaluation_that_launched_it(tmp_path, sig):
+    """The launched command writes its pid and never becomes healthy; evaluate is killed while it waits."""
+    port = free_port()
+    pidfile = tmp_path / "server.pid"
+    script = tmp_path / "server.py"
+    script.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    evaluate = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specwise.cli",
+            "evaluate",
+            "--endpoint",
+            f"http://127.0.0.1:{port}",
+            "--launch",
+            f"{sys.executable} {script}",
+            "--launch",
+            f"{sys.executable} {script}",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server = int(pidfile.read_text())
+        os.kill(evaluate.pid, sig)
+        evaluate.wait(30)
+        deadline = time.monotonic() + 15
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server), f"the launched server (pid {server}) survived {sig.name} of evaluate"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            evaluate.kill()
+        if pidfile.exists() and pidfile.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is gone for our purposes
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+# --- item 14: retrying failed requests, CSV cells --------------------------------------------------------------------
+
+
+def test_resume_retry_errors_runs_the_failed_requests_again_and_csv_cells_are_not_formulas(long_ctx_model, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    args = ("evaluate", "--model", long_ctx_model, "--tasks", "2", "--concurrency", "1", "--out", out, "--no-progress")
+    cli(*args)
+    db = sqlite3.connect(out / "run.db")
+    rows = db.execute("SELECT config, load, task_id, repeat, started FROM requests ORDER BY started").fetchall()
+    failed = rows[:2]
+    with db:
+        for c, ld, t, r, _ in failed:
+            db.execute(
+                "UPDATE requests SET error = ?, output = ? "
+                "WHERE config = ? AND load = ? AND task_id = ? AND repeat = ?",
+                ('=HYPERLINK("http://x")', "@SUM(A1)", c, ld, t, r),
+            )
+    db.close()
+    refused = cli(*args, "--retry-errors", check=False)
+    assert refused.returncode == 2 and "--retry-errors needs --resume" in refused.stderr
+
+    report = cli("report", out / "run.db", "--csv", tmp_path / "r.csv")
+    assert report.returncode == 0
+    cells = [row for row in csv.DictReader(io.StringIO((tmp_path / "r.csv").read_text()))]
+    errors = [row["error"] for row in cells if row["error"]]
+    assert errors == ['\'=HYPERLINK("http://x")'] * 2  # shown as text, never evaluated
+
+    cli(*args, "--resume")  # plain resume: the failed records stay as they are
+    db = sqlite3.connect(out / "run.db")
+    assert db.execute("SELECT COUNT(*) FROM requests WHERE error IS NOT NULL").fetchone()[0] == 2
+    db.close()
+    cli(*args, "--resume", "--retry-errors")
+    db = sqlite3.connect(out / "run.db")
+    after = {tuple(r[:4]): r[4] for r in db.execute("SELECT config, load, task_id, repeat, started FROM requests")}
+    assert db.execute("SELECT COUNT(*) FROM requests WHERE error IS NOT NULL").fetchone()[0] == 0
+    db.close()
+    assert len(after) == len(rows)
+    for c, ld, t, r, started in rows:
+        retried = (c, ld, t, r, started) in failed
+        assert (after[c, ld, t, r] != started) == retried  # the failed ones measured again, the rest untouched
