@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_engine import KS, PRECISIONS, PROMPTS, FrozenCosts, drafters
 
-from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine import Engine, RequestOptions, SamplingParams, load_target
 from specwise.engine.sampling import adjust, log_distribution, probabilities
 from specwise.errors import SpecwiseError
 
@@ -87,7 +87,7 @@ def test_rejection_sampling_is_reproducible_at_a_fixed_k_but_not_drafter_invaria
 def test_n_choices_have_their_own_streams_and_choice_zero_is_the_single_request(tiny):
     sp = SamplingParams(max_new_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
     engine = Engine(tiny, drafter="ngram", k=3, max_batch=4)
-    ids = [engine.submit(PROMPTS[1], sp, choice=i) for i in range(3)]
+    ids = [engine.submit(PROMPTS[1], sp, RequestOptions(choice=i)) for i in range(3)]
     out: dict[str, list[int]] = {}
     while engine.has_work:
         for ev in engine.step():

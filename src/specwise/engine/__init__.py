@@ -17,7 +17,16 @@ except ImportError:
     ) from None
 
 from specwise.engine.engine import Engine, GenerationResult, StreamEvent
+from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.weights import LoadedModel, load_target
 
-__all__ = ["Engine", "GenerationResult", "LoadedModel", "SamplingParams", "StreamEvent", "load_target"]
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "LoadedModel",
+    "RequestOptions",
+    "SamplingParams",
+    "StreamEvent",
+    "load_target",
+]

@@ -24,6 +24,7 @@ from specwise.engine.cache import output_size
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.noise import Noise, fresh_seed
+from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import (
     SamplingParams,
     adjust,
@@ -225,28 +226,16 @@ class Engine:
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
+        options: RequestOptions | None = None,
         request_id: str | None = None,
-        speculative: bool = True,
-        drafter: str | None = None,
-        k: int | str | None = None,
-        fill_context: bool = False,
-        history: bool = True,
-        verify: str | None = None,
-        choice: int = 0,
         tokens: list[int] | None = None,
-        tenant: str = "",
     ) -> Sequence:
-        """Check and encode a request without queueing it (safe from another thread than the loop's).
-
-        `drafter` names one of the engine's drafters and `k` overrides the engine's draft length for this request;
-        `fill_context` lets it generate up to the rest of the context (OpenAI's default when no limit is given);
-        `verify` overrides the engine's verification method; `choice` is the index of this sequence among a
-        request's `n` (its random stream: choice 0 of a seeded request is what the same request with n = 1 gives);
-        `tokens`: the prompt already encoded (`encode_prompt`: n choices render and encode it once); `tenant`: whose
-        cross-request history the request may draft from and add to (suffix drafting keeps one per tenant).
-        """
+        """Check and encode a request without queueing it (safe from another thread than the loop's). `options`:
+        how it is served (`RequestOptions`); `tokens`: the prompt already encoded (`encode_prompt`: n choices render
+        and encode it once)."""
+        opts = options or RequestOptions()
         params = params or SamplingParams()
-        method = self.verify if verify is None else check_verify(verify)
+        method = self.verify if opts.verify is None else check_verify(opts.verify)
         bad = [t for t, _ in params.logit_bias if t >= self.vocab]
         if bad:
             raise SpecwiseError(
@@ -262,7 +251,7 @@ class Engine:
                 f"{self.vocab - 1}): the tokenizer and the weights do not belong together",
                 param="prompt",
             )
-        if fill_context:
+        if opts.fill_context:
             params = dataclasses.replace(params, max_new_tokens=max(self.max_len - len(ids), 1))
         if len(ids) + params.max_new_tokens > self.max_len:
             raise SpecwiseError(
@@ -271,19 +260,19 @@ class Engine:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if drafter is not None and drafter not in self.drafters:
+        if opts.drafter is not None and opts.drafter not in self.drafters:
             allowed = ", ".join(self.drafters) or "none (this engine has no drafter)"
-            raise SpecwiseError(f"unknown drafter {drafter!r}: this engine has {allowed}", param="drafter")
-        if speculative and (drafter is not None or k is not None) and not self.drafters:
+            raise SpecwiseError(f"unknown drafter {opts.drafter!r}: this engine has {allowed}", param="drafter")
+        if opts.speculative and (opts.drafter is not None or opts.k is not None) and not self.drafters:
             raise SpecwiseError(
                 "speculation was asked for (a drafter or k), but this engine has no drafter: start it "
                 "with one, or ask for plain decoding",
                 param="drafter",
             )
-        k_spec = self.k_spec if k is None else _check_k(k, self.k_max)
+        k_spec = self.k_spec if opts.k is None else _check_k(opts.k, self.k_max)
         seed = params.seed if params.seed is not None else fresh_seed()
-        name = drafter or (self.drafter.name if self.drafter is not None else None)
-        use_spec = speculative and name is not None
+        name = opts.drafter or (self.drafter.name if self.drafter is not None else None)
+        use_spec = opts.speculative and name is not None
         controller: AdaptiveK | FixedK | None = None
         if name is not None and use_spec:
             controller = (
@@ -296,16 +285,16 @@ class Engine:
             ids,
             len(ids),
             params,
-            Noise(seed, choice),
+            Noise(seed, opts.choice),
             seed,
             use_spec,
             controller,
             self._now(),
             drafter=name if use_spec else None,
-            history=history,
+            history=opts.history,
             verify=method,
             logprobs=[] if params.logprobs is not None else None,
-            tenant=tenant,
+            tenant=opts.tenant,
         )
         seq.stats.prompt_tokens = len(ids)
         return seq
@@ -320,19 +309,11 @@ class Engine:
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
+        options: RequestOptions | None = None,
         request_id: str | None = None,
-        speculative: bool = True,
-        drafter: str | None = None,
-        k: int | str | None = None,
-        history: bool = True,
-        verify: str | None = None,
-        choice: int = 0,
     ) -> str:
         """Check, encode and queue a request (see `prepare`)."""
-        seq = self.prepare(
-            prompt, params, request_id, speculative, drafter, k, history=history, verify=verify, choice=choice
-        )
-        return self.enqueue(seq)
+        return self.enqueue(self.prepare(prompt, params, options, request_id))
 
     @property
     def has_work(self) -> bool:

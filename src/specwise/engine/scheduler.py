@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specwise.engine.engine import Engine, Prompt, Sequence, StreamEvent
+from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.errors import SpecwiseError
 
@@ -167,35 +168,15 @@ class Scheduler:
         prompt: Prompt,
         params: SamplingParams,
         sink: Sink,
-        speculative: bool = True,
-        drafter: str | None = None,
-        k: int | str | None = None,
-        request_id: str | None = None,
-        fill_context: bool = False,
-        history: bool = True,
-        verify: str | None = None,
-        choice: int = 0,
+        options: RequestOptions | None = None,
         tokens: list[int] | None = None,
-        tenant: str = "",
+        request_id: str | None = None,
     ) -> Sequence:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input, QueueFull when the waiting queue holds `max_queue` requests (checked before the prompt is encoded,
         and again after) and SchedulerDown once the loop has stopped. `tokens`: the prompt already encoded."""
         self._check_queue()
-        seq = self.engine.prepare(
-            prompt,
-            params,
-            request_id,
-            speculative,
-            drafter,
-            k,
-            fill_context,
-            history,
-            verify=verify,
-            choice=choice,
-            tokens=tokens,
-            tenant=tenant,
-        )
+        seq = self.engine.prepare(prompt, params, options, request_id, tokens)
         with self._lock:  # the put is under the lock, so a dying loop either sees this request or refuses it
             self._check_queue()
             self._pending += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specwise import __version__
 from specwise.engine.engine import GenerationResult, Sequence, StreamEvent, TokenLogprob
+from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, Scheduler, SchedulerDown
 from specwise.errors import SpecwiseError
@@ -36,6 +38,7 @@ from specwise.server.protocol import (
     CompletionRequest,
     ProtocolError,
     SamplingFields,
+    SpeculativeOptions,
     StreamOptions,
     error_body,
     now,
@@ -366,32 +369,16 @@ def _submit(
     """Queue every sequence of a request (each prompt × n choices; choice j of a seeded request draws from the seed's
     stream j), each prompt rendered and encoded once. All or none: a refusal takes back the ones already queued.
     Runs off the event loop (tokenizing a long prompt takes a while)."""
-    spec = body.speculative
     submitted: list[Sequence] = []
-    owner, may_share = tenant
     sched = state.scheduler
+    options = _options(body.speculative, max_tokens is None, tenant)
     try:
         sched._check_queue()  # a full queue or a stopped engine refuses before any tokenizing
         params = _params(body, max_tokens, logprobs)
         for prompt in prompts:
             tokens = sched.engine.encode_prompt(prompt)
             for j in range(body.choices()):
-                submitted.append(
-                    sched.submit(
-                        prompt,
-                        params,
-                        sink,
-                        speculative=spec.enabled if spec else True,
-                        drafter=spec.drafter if spec else None,
-                        k=spec.k if spec else None,
-                        fill_context=max_tokens is None,  # as OpenAI: up to the rest of the context
-                        history=may_share and (spec.history if spec and spec.history is not None else True),
-                        verify=spec.verify if spec else None,
-                        choice=j,
-                        tokens=tokens,
-                        tenant=owner,
-                    )
-                )
+                submitted.append(sched.submit(prompt, params, sink, dataclasses.replace(options, choice=j), tokens))
         return submitted
     except QueueFull as exc:
         _take_back(state, submitted)
@@ -432,6 +419,22 @@ async def _submit_off_loop(state: ServerState, request: Request, body, prompts, 
 
         job.add_done_callback(undo)
         raise
+
+
+def _options(spec: SpeculativeOptions | None, fill_context: bool, tenant: tuple[str, bool]) -> RequestOptions:
+    """The engine's options for a request, from its `speculative` object (absent fields: the server's defaults);
+    without a token limit it may fill the context, as OpenAI's chat does; `tenant`: whose history it may use."""
+    owner, may_share = tenant
+    spec = spec or SpeculativeOptions()
+    return RequestOptions(
+        speculative=spec.enabled,
+        drafter=spec.drafter,
+        k=spec.k,
+        fill_context=fill_context,
+        history=may_share and spec.history is not False,
+        tenant=owner,
+        verify=spec.verify,
+    )
 
 
 def _take_back(state: ServerState, seqs: list[Sequence]) -> None:
