@@ -185,3 +185,42 @@ def test_drift_reverts_once_in_revert_mode_and_never_in_alert_mode(tmp_path, mod
 def test_on_drift_revert_needs_a_baseline(tiny_dir):
     proc = cli("serve", "--model", tiny_dir, "--on-drift", "revert", check=False)
     assert proc.returncode == 2 and "--on-drift revert needs --drift-baseline" in proc.stderr
+
+
+# --- one policy file, one reader -----------------------------------------------------------------------------------
+
+GOOD_FILE = {"specwise_policy": 1, "drafter": "ngram", "k_by_concurrency": [[1, 3], [4, 0]], "source": "r.db"}
+POLICY_FILES = [
+    ("good", GOOD_FILE, None),
+    ("extra key", {**GOOD_FILE, "colour": "red"}, "colour"),
+    ("k out of range", {**GOOD_FILE, "k_by_concurrency": [[1, 99]]}, "k_by_concurrency"),
+    ("load twice", {**GOOD_FILE, "k_by_concurrency": [[2, 1], [2, 3]]}, "k_by_concurrency"),
+    ("version", {**GOOD_FILE, "specwise_policy": 2}, "specwise_policy"),
+    ("no drafter", {k: v for k, v in GOOD_FILE.items() if k != "drafter"}, "drafter"),
+    ("bool as load", {**GOOD_FILE, "k_by_concurrency": [[True, 1]]}, "k_by_concurrency"),
+]
+
+
+@pytest.mark.parametrize("name, doc, param", POLICY_FILES, ids=[p[0] for p in POLICY_FILES])
+def test_one_policy_file_gets_the_same_verdict_from_serve_the_cli_and_put(server, tiny_dir, tmp_path, name, doc, param):
+    url, _ = server
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(doc))
+    put = httpx.put(url + "/admin/policy", headers=ADMIN, json=doc)
+    cli_set = cli("policy", "set", "--from", path, "--endpoint", url, "--admin-key", "admin-secret", check=False)
+    if param is None:
+        assert put.status_code == 200 and put.json()["policy"].startswith("table"), put.text
+        assert cli_set.returncode == 0, cli_set.stderr
+        with serve_process("--model", tiny_dir, "--policy-from", path, "--admin-key", "admin-secret") as other:
+            assert httpx.get(other + "/admin/policy", headers=ADMIN).json()["table"] == [[1, 3], [4, 0]]
+    else:
+        assert put.status_code == 400 and put.json()["error"]["param"] == param, put.text
+        assert cli_set.returncode == 2 and "not a specwise policy file" in cli_set.stderr, cli_set.stderr
+        serve = cli("serve", "--model", tiny_dir, "--policy-from", path, check=False, timeout=120)
+        assert serve.returncode == 2 and "not a specwise policy file" in serve.stderr, serve.stderr
+        message = put.json()["error"]["message"]
+        assert (
+            message.split(": not a specwise policy file", 1)[-1]
+            == serve.stderr.strip().split(": not a specwise policy file", 1)[-1]
+        )  # the same words from the same reader
+    cli("policy", "set", "always", "--endpoint", url, "--admin-key", "admin-secret")

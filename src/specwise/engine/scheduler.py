@@ -20,10 +20,10 @@ from specwise.engine.engine import Engine, Prompt, Sequence, StreamEvent
 from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.errors import SpecwiseError
+from specwise.policy import Policy, PolicyChange
 
 log = logging.getLogger("specwise.scheduler")
 Sink = Callable[[StreamEvent | BaseException], None]
-POLICIES = ("always", "never", "auto", "table")
 
 
 class SchedulerDown(SpecwiseError):
@@ -36,73 +36,6 @@ class QueueFull(SpecwiseError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-@dataclass
-class Policy:
-    """When steps may draft. `auto` stops drafting when the load (running + waiting requests) rises above `high` and
-    starts again once it falls to `low` or below — a two-way switch with hysteresis, so it does not flap."""
-
-    mode: str = "always"
-    high: int = 4
-    low: int | None = None
-    on: bool = True
-    switches: int = 0  # times auto turned drafting off or back on
-    table: list[tuple[int, int]] | None = None  # mode "table": (highest load, k) rows, k 0 = off; off above the last
-    k_limit: int | None = None  # the table's k for the current load (None: no limit)
-
-    def __post_init__(self) -> None:
-        if self.mode not in POLICIES:
-            raise SpecwiseError(f"policy {self.mode!r} is not allowed: choose one of {', '.join(POLICIES)}")
-        if not isinstance(self.high, int) or self.high < 1:
-            raise SpecwiseError(f"policy threshold {self.high!r} is not allowed: it must be a whole number ≥ 1")
-        if self.low is None:
-            self.low = max(self.high // 2, 1) if self.high > 1 else 0
-        if not isinstance(self.low, int) or not 0 <= self.low < self.high:
-            raise SpecwiseError(
-                f"policy low threshold {self.low!r} is not allowed: it must be from 0 to "
-                f"{self.high - 1} (below the high threshold {self.high})",
-                param="low",
-            )
-        self.on = self.mode != "never"
-        if self.mode == "table" and not self.table:
-            raise SpecwiseError("policy 'table' needs its (load, k) rows: give them with --policy-from a policy file")
-
-    def update(self, load: int) -> bool:
-        """Whether the next step drafts, given the current load."""
-        if self.mode == "table" and self.table:
-            k = next((k for hi, k in self.table if load <= hi), 0)  # above the highest measured level: off
-            if (k > 0) != self.on:
-                self.on, self.switches = k > 0, self.switches + 1
-            self.k_limit = k or None
-        elif self.mode == "auto":
-            if self.on and load > self.high:
-                self.on, self.switches = False, self.switches + 1
-            elif not self.on and load <= (self.low or 0):  # low is set in __post_init__
-                self.on, self.switches = True, self.switches + 1
-        return self.on
-
-    def describe(self) -> str:
-        if self.mode == "table" and self.table:
-            rows = ", ".join(f"k={k} up to {hi}" if k else f"off up to {hi}" for hi, k in self.table)
-            return f"table ({rows}; off above {self.table[-1][0]} requests)"
-        if self.mode == "auto":
-            return f"auto (off above {self.high} requests, back on at {self.low} or fewer)"
-        return self.mode
-
-
-@dataclass(frozen=True)
-class PolicyChange:
-    """One replacement of the load policy at run time: when, from what to what, by whom (`admin`, `drift`) and why."""
-
-    time: float
-    old: str
-    new: str
-    by: str
-    reason: str = ""
-
-    def to_dict(self) -> dict:
-        return {"time": self.time, "old": self.old, "new": self.new, "by": self.by, "reason": self.reason}
 
 
 @dataclass

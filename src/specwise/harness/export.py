@@ -16,9 +16,8 @@ import json
 
 from specwise.errors import SpecwiseError
 from specwise.harness.results import KChoice, Run
-from specwise.specs import EXPORT_FORMATS, K_MAX
-
-POLICY_VERSION = 1
+from specwise.policy import PolicyFile
+from specwise.specs import EXPORT_FORMATS
 
 
 def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, list[str]]:
@@ -31,15 +30,9 @@ def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, 
     notes = [c.text() for c in choices]
     notes.append(f"measured up to concurrency {top:g}: the run says nothing about higher loads")
     if fmt == "specwise":
-        policy = {
-            "specwise_policy": POLICY_VERSION,
-            "drafter": name,
-            "k_by_concurrency": [[int(c.concurrency), c.k] for c in choices],
-            "source": run.path,
-            "fingerprint": run.fingerprint,
-        }
+        policy = PolicyFile(name, tuple((int(c.concurrency), c.k) for c in choices), run.path, run.fingerprint)
         notes.append("specwise serve --policy-from FILE turns drafting off above the highest level")
-        return json.dumps(policy, indent=2), notes
+        return json.dumps(policy.to_json(), indent=2), notes
     if not name.startswith("ngram"):
         raise SpecwiseError(
             f"the swept drafter {name!r} has no {fmt} equivalent that this export can name (n-gram drafters only); "
@@ -92,33 +85,3 @@ def _choices(run: Run, drafter: str | None) -> list[KChoice]:
     if drafter not in drafters:
         raise SpecwiseError(f"{run.path} has no k sweep of drafter {drafter!r} (swept: {', '.join(drafters)})")
     return sorted((c for c in all_choices if c.drafter == drafter), key=lambda c: c.concurrency)
-
-
-def read_policy_file(path: str) -> tuple[str, list[tuple[int, int]]]:
-    """(drafter, [(highest concurrency, k), …]) from a `--format specwise` file, checked."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SpecwiseError(f"{path}: not a readable JSON policy file ({exc})") from None
-    table = doc.get("k_by_concurrency") if isinstance(doc, dict) else None
-    if (
-        not isinstance(doc, dict)
-        or doc.get("specwise_policy") != POLICY_VERSION
-        or not isinstance(doc.get("drafter"), str)
-        or not isinstance(table, list)
-        or not table
-        or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in table)
-    ):
-        raise SpecwiseError(
-            f"{path}: not a specwise policy file (write one with `specwise export-config RUN.db --format specwise`)"
-        )
-    bad = [r for r in table if r[0] < 1 or not 0 <= r[1] <= K_MAX]  # the bounds PUT /admin/policy applies
-    if bad:
-        raise SpecwiseError(
-            f"{path}: not a specwise policy file: k_by_concurrency rows {bad} are not allowed, each is [load ≥ 1, k "
-            f"from 0 (off) to {K_MAX}]",
-            param="k_by_concurrency",
-        )
-    rows = sorted((int(hi), int(k)) for hi, k in table)
-    return doc["drafter"], rows

@@ -10,46 +10,50 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from specwise.engine.scheduler import Policy, Scheduler
+from specwise.engine.scheduler import Scheduler
 from specwise.errors import SpecwiseError
-from specwise.server.protocol import ProtocolError, Strict
+from specwise.policy import FILE_KEYS, Policy, PolicyFile
+from specwise.server.protocol import ProtocolError, Strict, pydantic_error
 from specwise.specs import K_MAX
 
 LoadRow = tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0, le=K_MAX)]]
 
 
 class PolicyBody(Strict):
-    """A new policy: by mode and thresholds or table, or as a specwise policy file."""
+    """A new policy by mode: always, never, auto with thresholds, or table with its rows. (A specwise policy file
+    is the other form a PUT takes; `PolicyFile` reads it, as everywhere else.)"""
 
-    mode: Literal["always", "never", "auto", "table"] | None = None
+    mode: Literal["always", "never", "auto", "table"]
     high: Annotated[int, Field(ge=1)] | None = None
     low: Annotated[int, Field(ge=0)] | None = None
     table: list[LoadRow] | None = None
-    # the fields of `specwise export-config --format specwise`
-    specwise_policy: Literal[1] | None = None
-    drafter: str | None = None
-    k_by_concurrency: list[LoadRow] | None = None
-    source: str | None = None
-    fingerprint: str | None = None
     reason: str | None = None
 
 
-def policy_from_body(body: PolicyBody, drafters: list[str]) -> Policy:
-    """The Policy a body asks for; a ProtocolError (400, naming the field) when it cannot be one."""
-    if body.specwise_policy is not None or body.k_by_concurrency is not None:
-        if not body.k_by_concurrency:
-            raise ProtocolError("a policy file needs k_by_concurrency rows", "k_by_concurrency")
-        if body.drafter is not None and body.drafter not in drafters:
+def policy_from_body(doc: dict, drafters: list[str]) -> tuple[Policy, str]:
+    """(the Policy a PUT body asks for, its reason); a ProtocolError (400, naming the field) when it cannot be one.
+    A body with a policy file's keys is a policy file (plus an optional reason), read by `PolicyFile.from_json`."""
+    reason = doc.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise ProtocolError("reason must be a string", "reason")
+    if any(k in doc for k in FILE_KEYS):
+        try:
+            file = PolicyFile.from_json({k: v for k, v in doc.items() if k != "reason"}, "the policy file")
+        except SpecwiseError as exc:
+            raise ProtocolError(str(exc), exc.param) from None
+        if file.drafter not in drafters:
             raise ProtocolError(
-                f"the policy file was measured with drafter {body.drafter!r}; this server has "
+                f"the policy file was measured with drafter {file.drafter!r}; this server has "
                 f"{', '.join(drafters) or 'no drafter'}",
                 "drafter",
             )
-        return _policy("table", body, sorted(body.k_by_concurrency))
-    if body.mode is None:
-        raise ProtocolError("give mode (always, never, auto or table), or a specwise policy file", "mode")
+        return file.policy(), reason or ""
+    try:
+        body = PolicyBody.model_validate(doc)
+    except ValidationError as exc:
+        raise pydantic_error([dict(e) for e in exc.errors()]) from None
     table = sorted(body.table) if body.table else None
     if body.mode == "table" and not table:
         raise ProtocolError("mode table needs table: [[highest load, k], …]", "table")
@@ -57,12 +61,8 @@ def policy_from_body(body: PolicyBody, drafters: list[str]) -> Policy:
         raise ProtocolError(f"table is for mode table, not {body.mode}", "table")
     if body.mode != "auto" and (body.high is not None or body.low is not None):
         raise ProtocolError(f"high and low are auto's thresholds, not {body.mode}'s", "high")
-    return _policy(body.mode, body, table)
-
-
-def _policy(mode: str, body: PolicyBody, table: list[tuple[int, int]] | None) -> Policy:
     try:
-        return Policy(mode, body.high or 4, body.low, table=table)
+        return Policy(body.mode, body.high or 4, body.low, table=table), reason or ""
     except SpecwiseError as exc:
         raise ProtocolError(str(exc), exc.param or "mode") from None
 

@@ -18,9 +18,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +31,7 @@ from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, Scheduler, SchedulerDown
 from specwise.errors import SpecwiseError
-from specwise.server.admin import PolicyBody, policy_from_body, policy_view
+from specwise.server.admin import policy_from_body, policy_view
 from specwise.server.metrics import CONTENT_TYPE, Metrics
 from specwise.server.protocol import (
     ChatRequest,
@@ -317,10 +317,12 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         return policy_view(state.scheduler)
 
     @app.put("/admin/policy")
-    async def put_policy(body: PolicyBody) -> dict:
-        """Replace the load policy from the next engine step (admin key); running requests are not dropped."""
-        policy = policy_from_body(body, list(state.scheduler.engine.drafters))
-        state.scheduler.set_policy(policy, "admin", body.reason or "")
+    async def put_policy(body: Annotated[dict[str, Any], Body()]) -> dict:
+        """Replace the load policy from the next engine step (admin key); running requests are not dropped. The
+        body: {"mode": "always"|"never"}, {"mode": "auto", "high": H, "low": L}, {"mode": "table", "table": [[load,
+        k], …]}, or a specwise policy file (`specwise export-config --format specwise`); an optional "reason"."""
+        policy, reason = policy_from_body(body, list(state.scheduler.engine.drafters))
+        state.scheduler.set_policy(policy, "admin", reason)
         return {**policy_view(state.scheduler), "policy": policy.describe(), "applies": "from the next step"}
 
     app.add_middleware(BodyLimit, limit=max_body, api_keys=state.api_keys, admin_key=state.admin_key)

@@ -13,26 +13,24 @@ import sys
 
 from specwise.errors import SpecwiseError
 from specwise.harness.analyze import policy_from_run
-from specwise.harness.export import read_policy_file
 from specwise.monitor.drift import load_baseline, parse_window
 from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import RequestLog
+from specwise.policy import Policy, PolicyFile
 from specwise.specs import parse_threshold
 
 
 def read_policy_from(args: argparse.Namespace):
     """(Policy, why) from --policy-from: a policy file (.json, a per-load k table) or an evaluation run (run.db)."""
-    from specwise.engine.scheduler import Policy  # imports torch
-
     if args.policy_from.endswith(".json"):  # specwise export-config --format specwise
-        drafter, table = read_policy_file(args.policy_from)
-        if args.drafter and args.drafter != drafter:
+        file = PolicyFile.read(args.policy_from)
+        if args.drafter and args.drafter != file.drafter:
             raise SpecwiseError(
-                f"--policy-from {args.policy_from} was measured with drafter {drafter!r}, "
+                f"--policy-from {args.policy_from} was measured with drafter {file.drafter!r}, "
                 f"not --drafter {args.drafter!r}"
             )
-        args.drafter = args.drafter or drafter
-        return Policy("table", table=table), f"{args.policy_from}: per-load k of {drafter}"
+        args.drafter = args.drafter or file.drafter
+        return file.policy(), f"{args.policy_from}: per-load k of {file.drafter}"
     mode, high, why = policy_from_run(args.policy_from)
     return Policy(mode, high or 1), why
 
@@ -56,8 +54,6 @@ def api_keys(given: list[str] | None) -> tuple[str, ...]:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
-    from specwise.engine.scheduler import Policy  # imports torch
-
     if not 0 <= args.port <= 65535:
         raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
     if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:

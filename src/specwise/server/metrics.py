@@ -24,7 +24,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specwise.engine.scheduler import PolicyChange, StepReport
+from specwise.engine.scheduler import StepReport
+from specwise.policy import PolicyChange
 
 LATENCY_BUCKETS = (
     0.005,

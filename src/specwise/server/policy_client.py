@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import httpx
 
 from specwise.errors import SpecwiseError
+from specwise.policy import PolicyFile
 from specwise.specs import parse_threshold
 
 
 def policy_body(args: argparse.Namespace) -> dict:
     """The PUT body `set` sends, from the flags; every mistake named before anything is sent."""
-    if args.from_file:
-        try:
-            body = json.loads(Path(args.from_file).read_text())
-        except (OSError, ValueError) as exc:
-            raise SpecwiseError(f"--from {args.from_file}: not a readable JSON policy file ({exc})") from None
-        if not isinstance(body, dict):
-            raise SpecwiseError(f"--from {args.from_file}: not a specwise policy file")
+    if args.from_file:  # checked here by the reader the server uses, so a bad file is refused before sending
+        body = PolicyFile.read(args.from_file).to_json()
     elif args.mode is None:
         raise SpecwiseError("policy set: give a mode (always, never, auto, table) or --from FILE")
     else:
