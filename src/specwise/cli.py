@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from specwise.engine import GenerationResult
 from specwise.specs import (
     ACTIVATIONS,
+    DEFAULT_MAX_LEN,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PREFILL_CHUNK,
+    DRAFTER_HELP,
     DTYPES,
     EXPORT_FORMATS,
     K_MAX,
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text, speculatively or not, and show what speculation did")
     gen.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     gen.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", help="ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: none = baseline)")
+    gen.add_argument("--drafter", help=f"{DRAFTER_HELP} (default: none = baseline)")
     gen.add_argument("--k", type=_k, default=4, help=f"draft length 1..{K_MAX}, or 'auto' (adaptive); default 4")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -159,9 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
     srv.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
-    srv.add_argument(
-        "--drafter", help="default drafter: ngram, ngram:N, model:PATH, int8, layerskip:SPEC (default: none)"
-    )
+    srv.add_argument("--drafter", help=f"default drafter: {DRAFTER_HELP} (default: none)")
     srv.add_argument("--drafters", help="more drafters requests may choose, comma-separated (e.g. int8,ngram:2)")
     srv.add_argument("--k", type=_k, default="auto", help=f"default draft length 1..{K_MAX} or 'auto' (default auto)")
     srv.add_argument(
@@ -204,13 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
     srv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
-    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch before 429s")
-    srv.add_argument("--max-len", type=int, default=2048, help="context length in tokens (default 2048)")
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests waiting beyond the batch before 429s (default {DEFAULT_MAX_QUEUE})",
+    )
+    srv.add_argument(
+        "--max-len", type=int, default=DEFAULT_MAX_LEN, help=f"context length in tokens (default {DEFAULT_MAX_LEN})"
+    )
     srv.add_argument(
         "--prefill-chunk",
         type=int,
-        default=128,
-        help="prompt tokens a step takes while other requests decode (default 128): smaller keeps "
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"prompt tokens a step takes while other requests decode (default {DEFAULT_PREFILL_CHUNK}): smaller keeps "
         "streams smoother when requests arrive, larger gives a lower time to first token",
     )
     srv.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
@@ -329,7 +338,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
 
-    from specwise.harness.report import console_summary, html_report, load_run, to_csv, to_json
+    from specwise.harness.analyze import load_run
+    from specwise.harness.report import console_summary, html_report, to_csv, to_json
 
     run = load_run(args.db)
     print(console_summary(run))

@@ -1,5 +1,5 @@
 """What speculation did over some verification steps — one request, or many pooled — and every figure derived from
-it, each computed here and nowhere else (vLLM's vocabulary, MISSION.md). No torch: the engine, the server, the
+it, each computed here and nowhere else (vLLM's vocabulary). No torch: the engine, the server, the
 request log, the harness's backends, the analysis, the monitor and the benchmarks all use it.
 
 Two serialisations: `to_dict` / `from_dict` (the field names below) wherever specwise stores counts — the results

@@ -12,6 +12,11 @@ from __future__ import annotations
 from specwise.errors import SpecwiseError
 
 K_MAX = 16  # the largest draft length any configuration may ask for
+# Serving defaults, stated once (engine, scheduler, server and CLI read them here).
+DEFAULT_K_MAX = 8  # adaptive k's ceiling (a fixed k may go up to K_MAX)
+DEFAULT_MAX_LEN = 2048  # context length in tokens when neither the flag nor the model says less
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
+DEFAULT_MAX_QUEUE = 64  # requests waiting beyond the running batch before the server answers 429
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
 # What the CPU kernels' 4- and 8-bit layers multiply: auto (int8: integer dot products, measured fastest on every

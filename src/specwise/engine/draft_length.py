@@ -11,6 +11,8 @@ doubles the wait for the next.
 
 from __future__ import annotations
 
+from specwise.specs import DEFAULT_K_MAX
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens per verification step for draft length k, bonus included."""
@@ -94,7 +96,7 @@ class AdaptiveK:
     def __init__(
         self,
         costs: CostModel,
-        k_max: int = 8,
+        k_max: int = DEFAULT_K_MAX,
         start_k: int = 2,
         prior_alpha: float = 0.5,
         prior_weight: float = 1.0,

@@ -37,12 +37,19 @@ from specwise.engine.stats import RequestStats
 from specwise.engine.verify import Verdict, coupled_verify, greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, VERIFY_METHODS, check_k_max, check_verify, parse_k
+from specwise.specs import (
+    DEFAULT_K_MAX,
+    DEFAULT_MAX_LEN,
+    DEFAULT_PREFILL_CHUNK,
+    K_MAX,
+    VERIFY_METHODS,
+    check_k_max,
+    check_verify,
+    parse_k,
+)
 
 log = logging.getLogger("specwise.engine")
 
-DEFAULT_MAX_LEN = 2048
-PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
 PREFILL_IDLE = 1024  # prompt tokens a pass takes when nothing else is running
 PAD_MARGIN = 2 * K_MAX + 2  # cache positions past max_len that padded rows of a batch may write to
 Prompt = str | list[dict]
@@ -133,8 +140,8 @@ class Engine:
         k: int | str = 4,
         max_batch: int = 8,
         max_len: int | None = None,
-        k_max: int = 8,
-        prefill_chunk: int = PREFILL_CHUNK,
+        k_max: int = DEFAULT_K_MAX,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         verify: str = VERIFY_METHODS[0],
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -678,7 +685,7 @@ class Engine:
 
 
 def check_invariant(target: LoadedModel) -> None:
-    """Speculation is offered only where a row's logits do not depend on the pass around it (MISSION rule 7)."""
+    """Speculation is offered only where a row's logits do not depend on the pass around it (so output is exact)."""
     if not getattr(target.model, "batch_invariant", False):
         where = f"{target.device.type}, {target.identity.precision}"
         raise SpecwiseError(

@@ -21,6 +21,7 @@ from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.errors import SpecwiseError
 from specwise.policy import Policy, PolicyChange
+from specwise.specs import DEFAULT_MAX_QUEUE
 
 log = logging.getLogger("specwise.scheduler")
 Sink = Callable[[StreamEvent | BaseException], None]
@@ -57,7 +58,7 @@ class Scheduler:
         self,
         engine: Engine,
         policy: Policy | None = None,
-        max_queue: int = 64,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         on_step: Callable[[StepReport], None] | None = None,
     ):
         if not isinstance(max_queue, int) or max_queue < 1:

@@ -1,4 +1,4 @@
-"""Per-request statistics (MISSION.md E7): the speculation counts of `specwise.speccounts` plus the request's
+"""Per-request statistics: the speculation counts of `specwise.speccounts` plus the request's
 token counts and times."""
 
 from __future__ import annotations

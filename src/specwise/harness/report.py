@@ -13,14 +13,13 @@ from dataclasses import asdict
 from html import escape
 
 from specwise.harness import svgplot
-from specwise.harness.analyze import load_run
 from specwise.harness.backends import describe
 from specwise.harness.load import parse_load
 from specwise.harness.results import Analysis, Run
 from specwise.harness.server_stats import counts_from_counters
 from specwise.harness.verdict import Clause, load_name
 
-__all__ = ["console_summary", "html_report", "load_run", "plots", "to_csv", "to_json"]
+__all__ = ["console_summary", "html_report", "plots", "to_csv", "to_json"]
 
 
 def _best_k_lines(a: Analysis) -> list[str]:

@@ -46,6 +46,7 @@ from specwise.server.protocol import (
     sse,
 )
 from specwise.speccounts import SpecCounts
+from specwise.specs import DEFAULT_MAX_QUEUE
 
 log = logging.getLogger("specwise.server")
 DEFAULT_MAX_BODY = 1 << 20
@@ -85,7 +86,7 @@ class ServerState:
         engine,
         name: str,
         policy=None,
-        max_queue: int = 64,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         api_key: str | list[str] | tuple[str, ...] | None = None,
         admin_key: str | None = None,
         suffix_history: str = SUFFIX_HISTORY[0],
