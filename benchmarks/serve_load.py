@@ -31,7 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from specwise.harness.backends import Config, Request
+from specwise.harness.backends import Request
+from specwise.harness.config import Config
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import Load
 from specwise.harness.workload import Task, builtin_workload

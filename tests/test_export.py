@@ -11,7 +11,7 @@ from test_evaluate import cli
 from test_server import serve_process
 
 from specwise.harness.analyze import load_run
-from specwise.harness.backends import Config
+from specwise.harness.config import Config
 from specwise.harness.store import Record, Store
 
 # E2E seconds per (config, load): the baseline takes 1.0; k=2 is clearly fastest alone, nothing pays at 4.

@@ -23,7 +23,8 @@ from test_evaluate import cli, long_ctx_model  # noqa: F401 - the fixture
 from test_server import free_port
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Request
+from specwise.harness.backends import Request
+from specwise.harness.config import Config
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import parse_load
 from specwise.harness.validate import run_validators

@@ -132,7 +132,7 @@ def test_verdict_reject_when_sampled_output_lengths_shift():
 
 def test_comparability_names_what_differs_and_says_unknown():
     from specwise.errors import SpecwiseError
-    from specwise.harness.backends import check_comparable
+    from specwise.harness.facts import check_comparable
 
     same = {"target": {"name": "m", "sha256": "a"}, "server": {"kind": "llama.cpp", "version": "b1"}, "hardware": {}}
     check_comparable({"baseline": same, "spec": dict(same)})
@@ -173,7 +173,7 @@ class TwoSystems:
 
 def test_the_runner_refuses_configurations_whose_systems_differ(tmp_path):
     from specwise.errors import SpecwiseError
-    from specwise.harness.backends import Config
+    from specwise.harness.config import Config
     from specwise.harness.load import Load
     from specwise.harness.runner import Plan, run
     from specwise.harness.store import Store

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
-from specwise.harness.backends import Config
+from specwise.harness.config import Config
 from specwise.harness.store import Record, Store
 from specwise.monitor.drift import DRIFTED, INVALID, OK, compare, load_baseline, parse_window
 from specwise.monitor.requestlog import LogEntry, RequestLog

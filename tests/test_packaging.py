@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specwise.harness.backends import Config
+from specwise.harness.config import Config
 from specwise.harness.store import Record, Store
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,9 @@ import yaml
 
 from specwise.errors import SpecwiseError
 from specwise.harness.analyze import load_run, store_verdicts
-from specwise.harness.backends import Backend, Config, EngineBackend
+from specwise.harness.backends import Backend
+from specwise.harness.config import Config
+from specwise.harness.engine_backend import EngineBackend
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import loads_from_flags
 from specwise.harness.report import console_summary, html_report

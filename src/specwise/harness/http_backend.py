@@ -31,7 +31,9 @@ from pathlib import Path
 import httpx
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config, Phase, Request, check_comparable, dispatch, hardware, redact
+from specwise.harness.backends import Phase, Request, dispatch
+from specwise.harness.config import Config, redact
+from specwise.harness.facts import check_comparable, hardware
 from specwise.harness.load import Load
 from specwise.harness.server_stats import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record

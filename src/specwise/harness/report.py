@@ -13,7 +13,7 @@ from dataclasses import asdict
 from html import escape
 
 from specwise.harness import svgplot
-from specwise.harness.backends import describe
+from specwise.harness.facts import describe
 from specwise.harness.load import parse_load
 from specwise.harness.results import Analysis, Run
 from specwise.harness.server_stats import counts_from_counters

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Config
+from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
 from specwise.harness.stats import Interval, Summary
 from specwise.harness.store import Record, Store

@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from specwise import __version__
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Backend, Config, Request, check_comparable
+from specwise.harness.backends import Backend, Request
+from specwise.harness.config import Config
+from specwise.harness.facts import check_comparable
 from specwise.harness.load import Load
 from specwise.harness.store import Record, Store
 from specwise.harness.validate import run_validators
