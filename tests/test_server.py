@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specwise.engine import Engine, SamplingParams, load_target
-from specwise.harness.server_stats import parse_spec_counters
+from specwise.harness.server_reports import parse_spec_counters
 from specwise.policy import Policy
 from specwise.server.app import ServerState, create_app
 

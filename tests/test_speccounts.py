@@ -70,7 +70,7 @@ def test_serialisations_round_trip_and_differ_in_names():
 
 
 def test_a_subclass_reduces_to_its_counts():
-    from specwise.engine.stats import RequestStats
+    from specwise.engine.request_stats import RequestStats
 
     s = RequestStats()
     s.observe_step(2, 1)

@@ -25,6 +25,7 @@ from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batc
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.noise import Noise, fresh_seed
 from specwise.engine.request import RequestOptions
+from specwise.engine.request_stats import RequestStats
 from specwise.engine.sampling import (
     SamplingParams,
     adjust,
@@ -33,7 +34,6 @@ from specwise.engine.sampling import (
     log_distribution,
     top_logprobs,
 )
-from specwise.engine.stats import RequestStats
 from specwise.engine.verify import Verdict, coupled_verify, greedy_verify, rejection_verify
 from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError

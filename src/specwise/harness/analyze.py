@@ -26,7 +26,7 @@ from specwise.harness.results import (
     StreamStats,
     read_run,
 )
-from specwise.harness.stats import ks_two_sample, speedup_ci, summarize
+from specwise.harness.statistics import ks_two_sample, speedup_ci, summarize
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Cell, Verdict, decide, load_name, policy_from_verdict
 from specwise.speccounts import SpecCounts

@@ -35,7 +35,7 @@ from specwise.harness.backends import Phase, Request, dispatch
 from specwise.harness.config import Config, redact
 from specwise.harness.facts import check_comparable, hardware
 from specwise.harness.load import Load
-from specwise.harness.server_stats import counter_delta, parse_spec_counters, spec_from_payload
+from specwise.harness.server_reports import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record
 
 
@@ -365,7 +365,7 @@ class HTTPBackend:
                         raise SpecwiseError(f"the server sent 'usage' that is not an object: {obj['usage']!r:.200}")
                     usage = obj.get("usage") or usage
                     if _final(obj):  # only a closing chunk carries statistics: keep text chunks cheap
-                        spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_stats)
+                        spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_reports)
                         own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
                         prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
                         verify = own.get("verify", verify)  # specwise: how sampled drafts were verified

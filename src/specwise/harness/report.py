@@ -16,7 +16,7 @@ from specwise.harness import svgplot
 from specwise.harness.facts import describe
 from specwise.harness.load import parse_load
 from specwise.harness.results import Analysis, Run
-from specwise.harness.server_stats import counts_from_counters
+from specwise.harness.server_reports import counts_from_counters
 from specwise.harness.verdict import Clause, load_name
 
 __all__ = ["console_summary", "html_report", "plots", "to_csv", "to_json"]

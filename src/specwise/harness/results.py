@@ -14,7 +14,7 @@ from pathlib import Path
 from specwise.errors import SpecwiseError
 from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
-from specwise.harness.stats import Interval, Summary
+from specwise.harness.statistics import Interval, Summary
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Verdict
 

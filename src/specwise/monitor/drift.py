@@ -29,7 +29,7 @@ import numpy as np
 
 from specwise.errors import SpecwiseError
 from specwise.harness.results import read_run
-from specwise.harness.stats import ks_two_sample
+from specwise.harness.statistics import ks_two_sample
 from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
 

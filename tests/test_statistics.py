@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specwise.harness.stats import percentile, speedup_ci, summarize
+from specwise.harness.statistics import percentile, speedup_ci, summarize
 from specwise.harness.verdict import ADOPT, CONDITIONAL, REJECT, Cell, decide
 
 
@@ -96,7 +96,7 @@ def test_verdict_does_not_count_a_win_on_too_few_tasks():
 
 
 def test_ks_tells_same_from_shifted_distributions():
-    from specwise.harness.stats import ks_two_sample
+    from specwise.harness.statistics import ks_two_sample
 
     rng = np.random.default_rng(3)
     same = ks_two_sample(rng.normal(100, 20, 300), rng.normal(100, 20, 300))
@@ -108,7 +108,7 @@ def test_ks_p_value_is_exact_for_small_groups():
     """Six against six, fully separated: of the C(12, 6) = 924 equally likely splits under the null, exactly two
     (all of one sample below all of the other, either way) reach D = 1, so p = 2/924 = 0.0022. The asymptotic formula
     used before gave 0.0013 here: 40% too small, so tests on small groups rejected more often than their level."""
-    from specwise.harness.stats import ks_two_sample
+    from specwise.harness.statistics import ks_two_sample
 
     r = ks_two_sample([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
     assert r["d"] == 1.0 and r["p"] == pytest.approx(2 / 924, rel=1e-9)

@@ -5,7 +5,7 @@ fields and the `sglang:spec_accept_*` gauges) — neither server runs here (no G
 
 import pytest
 
-from specwise.harness.server_stats import (
+from specwise.harness.server_reports import (
     counter_delta,
     counts_from_counters,
     parse_spec_counters,
