@@ -143,7 +143,7 @@ def main() -> None:
                 {
                     "throughput": tokens / seconds,
                     "e2e": [r.e2e for r in recs],
-                    "spec": SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs),
+                    "spec": SpecCounts.pooled(r.spec or SpecCounts() for r in recs),
                 }
             )
             print(f"round {rnd} c={c:<3} {m:<7} {tokens / seconds:7.1f} tok/s", file=sys.stderr, flush=True)

@@ -82,7 +82,7 @@ def test_a_speculation_that_changes_outputs_is_still_rejected(tmp_path):
 def test_acceptance_is_read_from_llamacpp_style_responses_and_counters(lossless):
     run, stdout = lossless
     spec = [r for r in run.records if r.config == "speculative"]
-    assert spec and all(r.spec["drafted"] == 6 and r.spec["accepted"] == 4 for r in spec)
+    assert spec and all(r.spec.drafted == 6 and r.spec.accepted == 4 for r in spec)
     row = next(r for r in run.analysis.table if r.config == "speculative" and r.load == "concurrent@1")
     assert row.acceptance_rate == pytest.approx(4 / 6)
     counters = run.server_counters["speculative|concurrent@1"]

@@ -349,7 +349,7 @@ def test_configurations_choose_their_verification_method(long_ctx_model, tmp_pat
     )
     evidence = {c.config: c.evidence for c in run.analysis.comparisons}
     assert evidence == {"coupled": COUPLED_EVIDENCE, "rejection": DISTRIBUTION_EVIDENCE}
-    assert {r.config: r.spec["verify"] for r in run.records} == {
+    assert {r.config: r.verify for r in run.records} == {
         "base": "coupled",
         "coupled": "coupled",
         "rejection": "rejection",

@@ -89,13 +89,13 @@ def test_a_llamacpp_evaluation_runs_end_to_end(llama_run):
 def test_llamacpp_acceptance_is_read_per_request_and_from_its_counters(llama_run):
     run, stdout = llama_run
     spec = [r for r in run.records if r.config == "llama-ngram"]
-    assert sum(r.spec.get("drafted", 0) for r in spec) > 0  # timings.draft_n
-    assert all(not r.spec for r in run.records if r.config == "llama-base")
+    assert sum(r.spec.drafted for r in spec if r.spec) > 0  # timings.draft_n
+    assert all(r.spec is None for r in run.records if r.config == "llama-base")
     row = next(r for r in run.analysis.table if r.config == "llama-ngram" and r.load == "concurrent@1")
     assert row.acceptance_rate is not None and 0 < row.acceptance_rate <= 1
     counters = run.server_counters["llama-ngram|concurrent@1"][0]
     assert counters["source"] == "llamacpp" and counters["num_drafts"] > 0
-    assert counters["num_draft_tokens"] == sum(r.spec.get("drafted", 0) for r in spec if r.load == "concurrent@1")
+    assert counters["num_draft_tokens"] == sum(r.spec.drafted for r in spec if r.spec and r.load == "concurrent@1")
     assert "(llamacpp)" in stdout
 
 

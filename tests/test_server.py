@@ -647,14 +647,12 @@ def test_evaluate_endpoint_measures_a_live_server(live, http_run):
     assert len(recs) == 4 * 2 * 2 and all(r.error is None for r in recs)
     assert all(r.ttft is not None and r.ttft <= r.e2e and r.output_tokens > 0 for r in recs)
     spec = [r for r in recs if r.config != "baseline"]
-    assert sum(r.spec["drafted"] for r in spec) > 0 and all(
-        r.spec.get("drafted", 0) == 0 for r in recs if r.config == "baseline"
-    )
+    assert sum(r.spec.drafted for r in spec) > 0 and all(r.spec.drafted == 0 for r in recs if r.config == "baseline")
     assert all(c.mismatches == [] for c in run.analysis.comparisons)  # greedy: same text both ways
     assert run.provenance["target"]["sha256"] == live.state.info["target"]["sha256"]
     counters = run.server_counters
     assert counters["ngram k=auto|concurrent@1"][0]["num_draft_tokens"] == sum(
-        r.spec["drafted"] for r in spec if r.load == "concurrent@1"
+        r.spec.drafted for r in spec if r.load == "concurrent@1"
     )
     assert counters["baseline|concurrent@1"][0]["num_draft_tokens"] == 0
 

@@ -67,7 +67,7 @@ def stream_stats(records: list[Record]) -> StreamStats | None:
 def row_stats(config: str, load: str, group: str, records: list[Record], phase_seconds: float | None) -> Row:
     """Latency percentiles, errors, validation, goodput and speculation figures for one set of records."""
     ok = [r for r in records if r.error is None]
-    spec = [SpecCounts.from_dict(r.spec) for r in ok if r.spec]
+    spec = [r.spec for r in ok if r.spec is not None]
     pooled = SpecCounts.pooled(spec)
     decode = sum(r.decode or 0.0 for r in ok)
     passed = sum(1 for r in ok if r.passed)
@@ -239,9 +239,7 @@ def _repeat_changes(outputs: dict[tuple[str, int], str | None]) -> tuple[int, li
 def coupled(records: list[Record]) -> bool:
     """Whether these sampled outputs are reproducible token for token: every one came from a server that reports
     coupled verification (specwise: a seeded output is plain decoding's, whatever was drafted), with a seed."""
-    return bool(records) and all(
-        r.seed is not None and (r.spec or {}).get("verify") == "coupled" for r in records if r.error is None
-    )
+    return bool(records) and all(r.seed is not None and r.verify == "coupled" for r in records if r.error is None)
 
 
 GREEDY_EVIDENCE = "greedy outputs, token for token"

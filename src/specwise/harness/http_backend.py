@@ -318,10 +318,8 @@ class HTTPBackend:
         rec.decode = chunks[-1] - chunks[0] if chunks else None
         rec.prefill = out["prefill"]
         rec.chunks = [[t - t0, n] for t, n in out["rendered"]]
-        if out["spec"] is not None:
-            rec.spec = out["spec"].to_dict()
-        if out["verify"] is not None:  # only a specwise server says; the audit then knows its evidence
-            rec.spec = {**rec.spec, "verify": out["verify"]}
+        rec.spec = out["spec"]
+        rec.verify = out["verify"]  # only a specwise server says; the audit then knows its evidence
         return rec
 
     def _one(self, config: str, req: Request, t0: float) -> dict:

@@ -346,8 +346,8 @@ def to_csv(run: Run) -> str:
             "e2e": r.e2e,
             "prefill": r.prefill,
             "decode": r.decode,
-            "drafted": r.spec.get("drafted"),
-            "accepted": r.spec.get("accepted"),
+            "drafted": r.spec.drafted if r.spec else None,
+            "accepted": r.spec.accepted if r.spec else None,
             "passed": r.passed,
             "error": r.error,
         }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specwise.errors import SpecwiseError
 from specwise.paths import sqlite_readonly_uri
+from specwise.speccounts import SpecCounts
 
 SCHEMA_VERSION = 1
 
@@ -51,7 +52,8 @@ class Record:
     e2e: float | None = None
     prefill: float | None = None
     decode: float | None = None
-    spec: dict = field(default_factory=dict)  # drafted, accepted, steps, per-position counts, drafting time, …
+    spec: SpecCounts | None = None  # what the system reported of its speculation (None: it reported none)
+    verify: str | None = None  # how sampled drafts were verified, where the system says (specwise: coupled, …)
     error: str | None = None
     validation: list[dict] = field(default_factory=list)
     passed: bool | None = None
@@ -117,6 +119,8 @@ class Store:
     def add(self, r: Record) -> None:
         """Write one record and commit at once."""
         row = asdict(r)
+        row.pop("verify")  # kept beside the counts in the spec column (the file's format is unchanged)
+        row["spec"] = {**(row["spec"] or {}), **({"verify": r.verify} if r.verify is not None else {})}
         for k in _JSON:
             row[k] = json.dumps(row[k])
         row["passed"] = None if r.passed is None else int(r.passed)
@@ -139,6 +143,9 @@ class Store:
             d = dict(zip(names, row, strict=False))
             for k in _JSON:
                 d[k] = json.loads(d[k]) if d.get(k) is not None else ([] if k != "spec" else {})
+            spec = dict(d["spec"] or {})
+            d["verify"] = spec.pop("verify", None)
+            d["spec"] = SpecCounts.from_dict(spec) if spec else None
             d["passed"] = None if d["passed"] is None else bool(d["passed"])
             out.append(Record(**d))
         return out

@@ -107,7 +107,7 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         raise SpecwiseError(f"{path}: the run holds no finished requests of {chosen.name!r}")
     prov = run.provenance
     loads = run.plan.concurrency_levels()
-    samples = [_sample(SpecCounts.from_dict(r.spec), r.prompt_tokens, r.output_tokens) for r in recs]
+    samples = [_sample(r.spec or SpecCounts(), r.prompt_tokens, r.output_tokens) for r in recs]
     base = Baseline(
         path=path,
         config=chosen.name,
@@ -119,7 +119,7 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         prompt_tokens=[s["prompt"] for s in samples],
         output_tokens=[s["output"] for s in samples],
         max_load=max(loads) if loads else None,
-        speedup_estimate=SpecCounts.pooled(SpecCounts.from_dict(r.spec) for r in recs).speedup_estimate,
+        speedup_estimate=SpecCounts.pooled(r.spec or SpecCounts() for r in recs).speedup_estimate,
         speedups=[s["speedup"] for s in samples if s["speedup"] is not None],
     )
     if key is not None:
