@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specwise.errors import SpecwiseError
@@ -28,6 +29,17 @@ if TYPE_CHECKING:  # the server hands in the engine's objects; importing them wo
 
 log = logging.getLogger("specwise.server")
 ON_DRIFT = ("alert", "revert")
+
+
+@dataclass(frozen=True)
+class ClientSide:
+    """What the server saw of a finished request from its client's side: time to first token and end to end (from
+    submission, seconds), the load it met (running + waiting requests, itself included) and its prompt."""
+
+    ttft: float | None
+    e2e: float
+    load: int
+    prompt: str | list[dict]
 
 
 class DriftWatch:
@@ -67,16 +79,16 @@ class DriftWatch:
             self._identities[name] = d.provenance(self.engine.target.identity.sha256) if d else None
         return self._identities[name]
 
-    def on_finish(self, seq: Sequence, result: GenerationResult, record: dict) -> None:
+    def on_finish(self, seq: Sequence, result: GenerationResult, client: ClientSide) -> None:
         s = seq.stats
-        prompt = record.get("prompt")
+        prompt = client.prompt
         entry = LogEntry(
             time=time.time(),
             prompt_tokens=seq.prompt_len,
             output_tokens=len(result.token_ids),
-            ttft=record["ttft"],
-            e2e=record["e2e"],
-            load=record["load"],
+            ttft=client.ttft,
+            e2e=client.e2e,
+            load=client.load,
             speculative=bool(s.drafted),
             drafter=seq.drafter,
             spec=s.counts(),

@@ -23,6 +23,7 @@ from specwise import __version__
 from specwise.engine.engine import GenerationResult, Sequence
 from specwise.engine.scheduler import Scheduler
 from specwise.errors import SpecwiseError
+from specwise.monitor.live import ClientSide
 from specwise.server.admin import policy_from_body, policy_view
 from specwise.server.generate import generate
 from specwise.server.metrics import CONTENT_TYPE, Metrics
@@ -49,7 +50,7 @@ class ServerState:
     api_keys: tuple[str, ...] = ()  # any of them opens /v1 and the docs; none: open to all
     admin_key: str | None = None  # enables /admin (the policy switch); never the client API key
     info: dict = field(default_factory=dict)  # target identity, drafters, policy: shown by /v1/models
-    on_finish: list[Callable[[Sequence, GenerationResult, dict], None]] = field(default_factory=list)
+    on_finish: list[Callable[[Sequence, GenerationResult, ClientSide], None]] = field(default_factory=list)
     suffix_history: str = SUFFIX_HISTORY[0]  # per-key: requests see the history of their own key's requests only
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from specwise.engine.request import RequestOptions
 from specwise.engine.sampling import SamplingParams
 from specwise.engine.scheduler import QueueFull, SchedulerDown
 from specwise.errors import SpecwiseError
+from specwise.monitor.live import ClientSide
 from specwise.server.protocol import (
     ProtocolError,
     SamplingFields,
@@ -215,10 +216,10 @@ async def generate(
         ttft = choice.first - started if choice.first is not None else None
         tokens = len(result.token_ids)
         state.metrics.on_request(ttft, choice.itl, at - started, seq.prompt_len, tokens, result.finish_reason)
-        record = {"ttft": ttft, "e2e": at - started, "load": load, "prompt": prompts[choice.index // body.choices()]}
+        client = ClientSide(ttft, at - started, load, prompts[choice.index // body.choices()])
         for hook in state.on_finish:
             try:
-                hook(seq, result, record)
+                hook(seq, result, client)
             except Exception:
                 log.exception("request log hook failed")
 
