@@ -10,7 +10,7 @@ from pathlib import Path
 import specwise
 
 SRC = Path(specwise.__file__).parent
-TORCH_FREE_PACKAGES = ("specwise.harness", "specwise.monitor")
+TORCH_FREE_PACKAGES = ("specwise.harness", "specwise.monitor", "specwise.cli")
 TORCH_FREE_MODULES = [
     "specwise",
     "specwise.errors",
@@ -34,7 +34,8 @@ def torch_free_modules() -> list[str]:
     return TORCH_FREE_MODULES + [
         m
         for m in all_modules()
-        if m.startswith(tuple(p + "." for p in TORCH_FREE_PACKAGES)) or m in TORCH_FREE_PACKAGES
+        if (m.startswith(tuple(p + "." for p in TORCH_FREE_PACKAGES)) or m in TORCH_FREE_PACKAGES)
+        and not m.endswith(".__main__")  # runs the command line when imported
     ]
 
 
@@ -140,7 +141,7 @@ ALLOWED = {
 def layer(module: str) -> str:
     if module in SHARED:
         return "shared"
-    if module in ("specwise.cli", "specwise.__main__"):
+    if module in ("specwise.cli", "specwise.__main__") or module.startswith("specwise.cli."):
         return "cli"
     return module.split(".")[1]
 

@@ -54,7 +54,7 @@ def test_protocol_and_cli_use_the_same_limit():
 
     from pydantic import ValidationError
 
-    from specwise.cli import _k
+    from specwise.cli.common import k_arg as _k
     from specwise.server.protocol import SpeculativeOptions
 
     assert SpeculativeOptions(k=K_MAX).k == K_MAX and _k(str(K_MAX)) == K_MAX
