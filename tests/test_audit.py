@@ -90,8 +90,8 @@ def test_acceptance_is_read_from_llamacpp_style_responses_and_counters(lossless)
     assert "(llamacpp)" in stdout
     header = stdout.split("\n\n")[0]
     assert "sha256 unknown" in header and "server kind llama.cpp, version fake-1" in header and "None" not in header
-    facts = run.provenance["facts"]
-    assert facts["baseline"]["target"]["path"] == "/models/fake" == facts["speculative"]["target"]["path"]
+    facts = run.provenance.facts
+    assert facts["baseline"].target.path == "/models/fake" == facts["speculative"].target.path
 
 
 def test_named_launches_and_a_second_server_on_another_target_is_refused(tmp_path):

@@ -47,12 +47,12 @@ def test_quick_run_writes_every_request_and_a_verdict(quick_run):
     assert f"VERDICT for ngram k=auto (concurrency): {decision.upper()}" in proc.stdout
     assert (out / "report.html").exists()
     prov = run.provenance
-    assert len(prov["target"]["sha256"]) == 64 and prov["hardware"]["cpu_threads"] >= 1
-    assert prov["specwise_version"] and run.fingerprint
+    assert len(prov.target.sha256) == 64 and prov.hardware.cpu_threads >= 1
+    assert prov.specwise_version and run.fingerprint
     from specwise.engine import kernels as K
 
-    assert prov["hardware"]["kernels"] == K.describe()  # the variant that ran is provenance
-    assert f"kernels {K.describe()}" in proc.stdout and f"({prov['target']['precision']}, sha256" in proc.stdout
+    assert prov.hardware.kernels == K.describe()  # the variant that ran is provenance
+    assert f"kernels {K.describe()}" in proc.stdout and f"({prov.target.precision}, sha256" in proc.stdout
 
 
 def test_greedy_outputs_are_compared_between_configurations(quick_run):
@@ -284,7 +284,7 @@ def test_evaluate_quick_on_the_embedded_model(tmp_path):
     assert f"VERDICT for ngram k=auto (concurrency): {verdict.decision.upper()}" in proc.stdout
     assert all(c.text in proc.stdout for c in verdict.clauses)
     assert (tmp_path / "report.html").read_text().count("<svg") >= 5
-    assert Path(run.provenance["target"]["path"]).suffix == ".gguf"
+    assert Path(run.provenance.target.path).suffix == ".gguf"
 
 
 @pytest.mark.parametrize("verify", ["coupled", "rejection"])
@@ -390,7 +390,7 @@ def test_configurations_from_a_file_each_get_a_verdict(long_ctx_model, tmp_path)
     assert run.analysis.configs == ["base", "ngram-2", "skip"]
     assert set(run.analysis.verdicts) == {"ngram-2", "skip"}
     assert len(run.records) == 4 * 3
-    assert run.provenance["configs"]["skip"]["draft_identity"]["derived_from"] == run.provenance["target"]["sha256"]
+    assert run.provenance.configs["skip"].draft_identity["derived_from"] == run.provenance.target.sha256
 
 
 @pytest.mark.parametrize(

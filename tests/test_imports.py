@@ -132,7 +132,7 @@ ALLOWED = {
     "shared": set(),
     "engine": set(),
     "harness": {"engine"},  # only the in-process backend, lazily: the import test above keeps torch out
-    "monitor": {"specwise.harness.results", "specwise.harness.statistics"},  # reading evaluation runs, the KS test
+    "monitor": {"specwise.harness.results", "specwise.harness.provenance", "specwise.harness.statistics"},  # runs, KS
     "server": {"engine", "monitor", "specwise.harness.analyze"},  # --policy-from RUN.db
     "cli": {"engine", "harness", "monitor", "server"},
 }

@@ -80,9 +80,9 @@ def test_a_llamacpp_evaluation_runs_end_to_end(llama_run):
     assert run.analysis.configs == ["llama-base", "llama-ngram"]
     assert len(run.records) == len(COPY) * 2 * 2 and all(r.error is None for r in run.records)
     assert all(r.output and r.output_tokens > 0 and r.ttft is not None for r in run.records)
-    facts = run.provenance["facts"]
-    assert facts["llama-base"]["server"]["kind"] == "llama.cpp"
-    assert facts["llama-base"]["target"] == facts["llama-ngram"]["target"]
+    facts = run.provenance.facts
+    assert facts["llama-base"].server["kind"] == "llama.cpp"
+    assert facts["llama-base"].target == facts["llama-ngram"].target
     assert "VERDICT for llama-ngram (concurrency)" in stdout and "None" not in stdout.split("\n\n")[0]
 
 

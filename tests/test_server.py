@@ -649,7 +649,7 @@ def test_evaluate_endpoint_measures_a_live_server(live, http_run):
     spec = [r for r in recs if r.config != "baseline"]
     assert sum(r.spec.drafted for r in spec) > 0 and all(r.spec.drafted == 0 for r in recs if r.config == "baseline")
     assert all(c.mismatches == [] for c in run.analysis.comparisons)  # greedy: same text both ways
-    assert run.provenance["target"]["sha256"] == live.state.info["target"]["sha256"]
+    assert run.provenance.target.sha256 == live.state.info["target"]["sha256"]
     counters = run.server_counters
     assert counters["ngram k=auto|concurrent@1"][0]["num_draft_tokens"] == sum(
         r.spec.drafted for r in spec if r.load == "concurrent@1"
@@ -692,17 +692,17 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     assert all(r.error is None for r in run.records)
     assert run.server_counters["speculative|concurrent@2"][0]["num_draft_tokens"] > 0
     assert run.server_counters["baseline|concurrent@2"][0]["num_draft_tokens"] == 0
-    assert run.provenance["target"]["path"] == str(tiny_dir)
+    assert run.provenance.target.path == str(tiny_dir)
     from specwise.engine import kernels as K
 
-    servers = [f["server"] for f in run.provenance["facts"].values()]  # what each launched server said of itself
+    servers = [f.server for f in run.provenance.facts.values()]  # what each launched server said of itself
     assert servers and all(
         s == {"kind": "specwise", "version": servers[0]["version"], "kernels": K.describe()} for s in servers
     )
     assert (tmp_path / "out" / "server-speculative.log").exists()
     for stored in ("run.db", "report.html"):  # the key in the launch commands is kept out of what is stored
         assert b"sesame-0123" not in (tmp_path / "out" / stored).read_bytes()
-    assert "--api-key ***" in run.provenance["configs"]["baseline"]["launch"]
+    assert "--api-key ***" in run.provenance.configs["baseline"].launch
     with pytest.raises(httpx.ConnectError):  # both servers were stopped
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     assert "speculative" in proc.stdout

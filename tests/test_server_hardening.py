@@ -21,6 +21,7 @@ import pytest
 from test_server import PROMPTS, SlowEngine, alone, free_port, serving
 
 from specwise.engine import Engine, load_target
+from specwise.harness.provenance import Target
 from specwise.monitor.drift import Baseline
 from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import LogEntry, RequestLog
@@ -295,7 +296,7 @@ def test_the_request_log_is_owner_only_written_off_the_loop_and_opened_by_its_re
 
 
 def test_the_drift_window_keeps_counts_not_text(tmp_path):
-    base = Baseline("run.db", "spec", {}, None, None, [0.5], [2.0], [5.0], [7.0], None, None)
+    base = Baseline("run.db", "spec", Target(), None, None, [0.5], [2.0], [5.0], [7.0], None, None)
     watch = DriftWatch(None, str(tmp_path / "log.db"), log_text=True, baseline=base, max_recent=10)
     for i in range(30):
         watch.observe(_entry(i, "x" * 100_000))

@@ -12,23 +12,20 @@ from specwise.harness.results import Run
 def _flags(a: Run, b: Run) -> list[str]:
     pa, pb = a.provenance, b.provenance
     flags = []
-    ta, tb = pa.get("target", {}), pb.get("target", {})
-    if ta.get("sha256") != tb.get("sha256"):
-        flags.append(
-            f"target revision differs: {ta.get('name')} {str(ta.get('sha256'))[:12]} vs "
-            f"{tb.get('name')} {str(tb.get('sha256'))[:12]}"
-        )
-    for name in sorted(set(pa.get("configs", {})) & set(pb.get("configs", {}))):
-        da, db = pa["configs"][name].get("draft_identity"), pb["configs"][name].get("draft_identity")
+    ta, tb = pa.target, pb.target
+    if ta.sha256 != tb.sha256:
+        flags.append(f"target revision differs: {ta.name} {str(ta.sha256)[:12]} vs {tb.name} {str(tb.sha256)[:12]}")
+    for name in sorted(set(pa.configs) & set(pb.configs)):
+        da, db = pa.configs[name].draft_identity, pb.configs[name].draft_identity
         if da != db:
             flags.append(f"draft of {name!r} differs: {da} vs {db}")
-    if pa.get("specwise_version") != pb.get("specwise_version"):
-        flags.append(f"specwise version differs: {pa.get('specwise_version')} vs {pb.get('specwise_version')}")
-    ha, hb = pa.get("hardware", {}), pb.get("hardware", {})
-    if any(ha.get(key) != hb.get(key) for key in ("cpu", "gpu")):
+    if pa.specwise_version != pb.specwise_version:
+        flags.append(f"specwise version differs: {pa.specwise_version} vs {pb.specwise_version}")
+    ha, hb = pa.hardware, pb.hardware
+    if (ha.cpu, ha.gpu) != (hb.cpu, hb.gpu):
         flags.append("hardware differs")
-    if ha.get("kernels") != hb.get("kernels"):
-        flags.append(f"kernels differ: {ha.get('kernels')} vs {hb.get('kernels')}")
+    if ha.kernels != hb.kernels:
+        flags.append(f"kernels differ: {ha.kernels} vs {hb.kernels}")
     if a.fingerprint != b.fingerprint:
         flags.append(f"plan differs (fingerprint {a.fingerprint} vs {b.fingerprint})")
     return flags

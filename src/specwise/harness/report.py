@@ -55,17 +55,16 @@ def console_summary(run: Run) -> str:
     a = run.analysed
     lines = []
     prov = run.provenance
-    target = prov.get("target", {})
-    lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.get('specwise_version')}")
-    sha = target.get("sha256")
-    hw = prov.get("hardware", {})
-    precision = f"{target['precision']}, " if target.get("precision") else ""
-    kernels = f", kernels {hw['kernels']}" if hw.get("kernels") else ""
+    target, hw = prov.target, prov.hardware
+    lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.specwise_version}")
+    sha = target.sha256
+    precision = f"{target.precision}, " if target.precision else ""
+    kernels = f", kernels {hw.kernels}" if hw.kernels else ""
     lines.append(
-        f"target {describe(target.get('name'))} ({precision}sha256 {sha[:12] + '…' if sha else 'unknown'})  "
-        f"hardware {describe(hw.get('cpu'))} ×{describe(hw.get('cpu_threads'))}{kernels}"
+        f"target {describe(target.name)} ({precision}sha256 {sha[:12] + '…' if sha else 'unknown'})  "
+        f"hardware {describe(hw.cpu)} ×{describe(hw.cpu_threads)}{kernels}"
     )
-    servers = {describe(f.get("server")) for f in (prov.get("facts") or {}).values() if f.get("server")}
+    servers = {describe(f.server) for f in prov.facts.values() if f.server}
     if servers:
         lines.append(f"server {'; '.join(sorted(servers))}")
     lines.append("")
@@ -272,7 +271,9 @@ def html_report(run: Run) -> str:
     )
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
     provenance = escape(
-        json.dumps({k: prov.get(k) for k in ("specwise_version", "target", "configs", "hardware")}, indent=2)
+        json.dumps(
+            {k: prov.raw[k] for k in ("specwise_version", "target", "configs", "hardware") if k in prov.raw}, indent=2
+        )
     )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>specwise report</title><style>
 body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
@@ -292,7 +293,7 @@ def to_json(run: Run) -> str:
     return json.dumps(
         {
             "plan": run.plan_meta,
-            "provenance": run.provenance,
+            "provenance": run.provenance.raw,
             "fingerprint": run.fingerprint,
             "analysis": run.analysed.to_dict(),
             "records": [asdict(r) for r in run.records],

@@ -14,6 +14,7 @@ from pathlib import Path
 from specwise.errors import SpecwiseError
 from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
+from specwise.harness.provenance import Provenance
 from specwise.harness.statistics import Interval, Summary
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Verdict
@@ -213,7 +214,7 @@ class Run:
     path: str
     plan: StoredPlan
     plan_meta: dict  # as stored: the JSON output and --resume compare this exact form
-    provenance: dict
+    provenance: Provenance
     fingerprint: str | None
     records: list[Record]
     phase_seconds: dict[str, float]
@@ -243,7 +244,7 @@ def read_run(path: str | Path) -> Run:
             str(path),
             StoredPlan.from_meta(meta),
             meta,
-            store.get_meta("provenance") or {},
+            Provenance.read(store.get_meta("provenance")),
             store.get_meta("fingerprint"),
             store.records(),
             store.get_meta("phase_seconds") or {},

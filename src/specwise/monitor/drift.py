@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from specwise.errors import SpecwiseError
+from specwise.harness.provenance import Target
 from specwise.harness.results import read_run
 from specwise.harness.statistics import ks_two_sample
 from specwise.monitor.requestlog import LogEntry, RequestLog
@@ -61,7 +62,7 @@ class Baseline:
 
     path: str
     config: str
-    target: dict
+    target: Target
     draft: dict | None
     drafter: str | None
     acceptance_rate: list[float]
@@ -111,8 +112,8 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
     base = Baseline(
         path=path,
         config=chosen.name,
-        target=prov.get("target") or {},
-        draft=(prov.get("configs", {}).get(chosen.name) or {}).get("draft_identity"),
+        target=prov.target,
+        draft=prov.configs[chosen.name].draft_identity if chosen.name in prov.configs else None,
         drafter=chosen.drafter,
         acceptance_rate=[s["rate"] for s in samples if s["rate"] is not None],
         acceptance_length=[s["length"] for s in samples if s["length"] is not None],
@@ -205,7 +206,7 @@ def compare(base: Baseline, entries: list[LogEntry], alpha: float = 0.01) -> lis
 
 def _revision_rows(base: Baseline, entries: list[LogEntry]) -> list[Row]:
     rows = []
-    sha_then = base.target.get("sha256")
+    sha_then = base.target.sha256
     shas = {e.target.get("sha256") for e in entries}
     changed = sorted((s for s in shas if s != sha_then), key=str)
     rows.append(
@@ -215,7 +216,7 @@ def _revision_rows(base: Baseline, entries: list[LogEntry]) -> list[Row]:
             ", ".join(_short(s) for s in sorted(shas, key=str)),
             "changed" if changed else "same",
             INVALID if changed else OK,
-            f"target {base.target.get('name')} changed: the evaluation no longer applies" if changed else "",
+            f"target {base.target.name} changed: the evaluation no longer applies" if changed else "",
         )
     )
     drafts = {_draft_key(e.draft) for e in entries if e.speculative and e.draft}

@@ -1,0 +1,100 @@
+"""What a run measured and where, read back typed: the target, the hardware, each configuration's draft and
+launch command, what each configuration's system said of itself, and the specwise that ran it. The one reader of
+the stored provenance; `raw` keeps the stored form for the JSON report (a file from an older specwise lacks some
+fields: they read as None)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _of(d: object, key: str) -> object:
+    return d[key] if isinstance(d, dict) and key in d else None
+
+
+def _text(d: object, key: str) -> str | None:
+    v = _of(d, key)
+    return None if v is None else str(v)
+
+
+def _mapping(d: object, key: str) -> dict:
+    v = _of(d, key)
+    return v if isinstance(v, dict) else {}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model a system ran, as it named it (sha256: of its weights; endpoint: where it was served)."""
+
+    name: str | None = None
+    sha256: str | None = None
+    precision: str | None = None
+    path: str | None = None
+    endpoint: str | None = None
+
+    @classmethod
+    def read(cls, d: object) -> Target:
+        return cls(*(_text(d, k) for k in ("name", "sha256", "precision", "path", "endpoint")))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine: CPU model and threads, the kernel variant (specwise's engine) and the accelerator, if any."""
+
+    cpu: str | None = None
+    cpu_threads: int | None = None
+    kernels: str | None = None
+    gpu: str | None = None
+
+    @classmethod
+    def read(cls, d: object) -> Hardware:
+        threads = _of(d, "cpu_threads")
+        return cls(_text(d, "cpu"), threads if isinstance(threads, int) else None, _text(d, "kernels"), _text(d, "gpu"))
+
+
+@dataclass(frozen=True)
+class ConfigProvenance:
+    """One configuration's draft (its identity: a draft model's hash, or what it derives from) and launch command."""
+
+    draft_identity: dict | None = None
+    launch: str | None = None
+
+    @classmethod
+    def read(cls, d: object) -> ConfigProvenance:
+        draft = _of(d, "draft_identity")
+        return cls(draft if isinstance(draft, dict) else None, _text(d, "launch"))
+
+
+@dataclass(frozen=True)
+class SystemFacts:
+    """What one configuration's own system reported of itself: its server (kind, version, kernels) and target."""
+
+    server: dict | None = None
+    target: Target = field(default_factory=Target)
+
+    @classmethod
+    def read(cls, d: object) -> SystemFacts:
+        server = _of(d, "server")
+        return cls(server if isinstance(server, dict) else None, Target.read(_of(d, "target")))
+
+
+@dataclass(frozen=True)
+class Provenance:
+    specwise_version: str | None
+    target: Target
+    hardware: Hardware
+    configs: dict[str, ConfigProvenance]
+    facts: dict[str, SystemFacts]
+    raw: dict  # as stored
+
+    @classmethod
+    def read(cls, d: object) -> Provenance:
+        raw = d if isinstance(d, dict) else {}
+        return cls(
+            _text(raw, "specwise_version"),
+            Target.read(_of(raw, "target")),
+            Hardware.read(_of(raw, "hardware")),
+            {name: ConfigProvenance.read(c) for name, c in _mapping(raw, "configs").items()},
+            {name: SystemFacts.read(f) for name, f in _mapping(raw, "facts").items()},
+            raw,
+        )
