@@ -349,3 +349,20 @@ def test_an_arriving_prompt_does_not_stall_decoding(tiny):
             late = i  # the step that completed the long prompt
     assert late is not None and late >= 10  # 97 prompt tokens, 8 per step
     assert steps_with_progress == 12
+
+
+def test_a_request_k_is_held_to_the_engines_k_max_and_the_engines_own_k_raises_it(tiny):
+    from specwise.engine import RequestOptions
+    from specwise.errors import SpecwiseError
+
+    engine = Engine(tiny, drafter="ngram", k="auto")  # k_max 8: adaptive k's ceiling, what its passes calibrated
+    assert engine.k_max == 8
+    engine.prepare("abc", SamplingParams(max_new_tokens=4), RequestOptions(k=8))
+    with pytest.raises(SpecwiseError, match="more than this engine drafts") as err:
+        engine.prepare("abc", SamplingParams(max_new_tokens=4), RequestOptions(k=12))
+    assert err.value.param == "k"
+    wide = Engine(tiny, drafter="ngram", k=12)
+    assert wide.k_max == 12
+    (out,) = wide.generate("abc abc abc abc", SamplingParams(max_new_tokens=20))
+    (plain,) = Engine(tiny).generate("abc abc abc abc", SamplingParams(max_new_tokens=20))
+    assert out.token_ids == plain.token_ids

@@ -157,8 +157,10 @@ class Engine:
         self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
         if self.max_len < 2:
             raise SpecwiseError(f"max_len={max_len!r} is too small: a context needs at least 2 tokens")
-        self.k_spec = _check_k(k, k_max)
-        self.k_max = k_max
+        check_k_max(k_max)
+        k_spec = parse_k(k)
+        self.k_max = max(k_max, k_spec) if isinstance(k_spec, int) else k_max  # the engine's own k always fits
+        self.k_spec = k_spec
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
         self.vocab = output_size(self.model)
         self.device = target.device
@@ -696,5 +698,13 @@ def check_invariant(target: LoadedModel) -> None:
 
 
 def _check_k(k: int | str, k_max: int) -> int | str:
-    check_k_max(k_max)
-    return parse_k(k)
+    """A request's draft length, within what this engine drafts (its k_max: adaptive k's ceiling and what its
+    passes were calibrated for)."""
+    value = parse_k(k)
+    if isinstance(value, int) and value > k_max:
+        raise SpecwiseError(
+            f"k={value} is more than this engine drafts: give a draft length from 1 to {k_max}, or 'auto' (the "
+            f"engine's k_max; `serve --k N` raises it to N)",
+            param="k",
+        )
+    return value
