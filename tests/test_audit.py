@@ -86,7 +86,7 @@ def test_acceptance_is_read_from_llamacpp_style_responses_and_counters(lossless)
     row = next(r for r in run.analysis.table if r.config == "speculative" and r.load == "concurrent@1")
     assert row.acceptance_rate == pytest.approx(4 / 6)
     counters = run.server_counters["speculative|concurrent@1"]
-    assert counters[0]["num_draft_tokens"] == 6 * 8 and counters[0]["source"] == "llamacpp"
+    assert counters[0].num_draft_tokens == 6 * 8 and counters[0].source == "llamacpp"
     assert "(llamacpp)" in stdout
     header = stdout.split("\n\n")[0]
     assert "sha256 unknown" in header and "server kind llama.cpp, version fake-1" in header and "None" not in header

@@ -94,8 +94,8 @@ def test_llamacpp_acceptance_is_read_per_request_and_from_its_counters(llama_run
     row = next(r for r in run.analysis.table if r.config == "llama-ngram" and r.load == "concurrent@1")
     assert row.acceptance_rate is not None and 0 < row.acceptance_rate <= 1
     counters = run.server_counters["llama-ngram|concurrent@1"][0]
-    assert counters["source"] == "llamacpp" and counters["num_drafts"] > 0
-    assert counters["num_draft_tokens"] == sum(r.spec.drafted for r in spec if r.spec and r.load == "concurrent@1")
+    assert counters.source == "llamacpp" and counters.num_drafts > 0
+    assert counters.num_draft_tokens == sum(r.spec.drafted for r in spec if r.spec and r.load == "concurrent@1")
     assert "(llamacpp)" in stdout
 
 

@@ -659,10 +659,10 @@ def test_evaluate_endpoint_measures_a_live_server(live, http_run):
     assert all(c.mismatches == [] for c in run.analysis.comparisons)  # greedy: same text both ways
     assert run.provenance.target.sha256 == live.state.info["target"]["sha256"]
     counters = run.server_counters
-    assert counters["ngram k=auto|concurrent@1"][0]["num_draft_tokens"] == sum(
+    assert counters["ngram k=auto|concurrent@1"][0].num_draft_tokens == sum(
         r.spec.drafted for r in spec if r.load == "concurrent@1"
     )
-    assert counters["baseline|concurrent@1"][0]["num_draft_tokens"] == 0
+    assert counters["baseline|concurrent@1"][0].num_draft_tokens == 0
 
 
 def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, tmp_path):
@@ -698,8 +698,8 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     run = load_run(tmp_path / "out" / "run.db")
     assert run.analysis.configs == ["baseline", "speculative"] and len(run.records) == 8
     assert all(r.error is None for r in run.records)
-    assert run.server_counters["speculative|concurrent@2"][0]["num_draft_tokens"] > 0
-    assert run.server_counters["baseline|concurrent@2"][0]["num_draft_tokens"] == 0
+    assert run.server_counters["speculative|concurrent@2"][0].num_draft_tokens > 0
+    assert run.server_counters["baseline|concurrent@2"][0].num_draft_tokens == 0
     assert run.provenance.target.path == str(tiny_dir)
     from specwise.engine import kernels as K
 

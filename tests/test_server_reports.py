@@ -34,7 +34,7 @@ def test_llamacpp_counters_and_their_phase_delta():
     c = counts_from_counters([d])
     assert (c.steps, c.drafted, c.accepted) == (10, 30, 20)
     assert c.acceptance_rate == pytest.approx(20 / 30) and c.mean_acceptance_length == pytest.approx(3.0)
-    assert d["accepted_per_pos"] == [10, 0]
+    assert d.accepted_per_pos == [10, 0]
 
 
 def test_llamacpp_per_request_timings():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specwise.harness.load import Load
+from specwise.harness.server_reports import CounterDelta
 from specwise.harness.store import Record
 
 
@@ -35,7 +36,7 @@ class Phase:
     it where the server exposes them (None otherwise)."""
 
     seconds: float
-    counters: dict | None = None
+    counters: CounterDelta | None = None
 
 
 class Backend(Protocol):

@@ -128,7 +128,7 @@ def console_summary(run: Run) -> str:
             lines.append(
                 f"{key:>38} {sc.steps:>8} {sc.drafted:>9} {sc.accepted:>9} "
                 f"{_fmt(sc.acceptance_rate, '.2f'):>6} {_fmt(sc.mean_acceptance_length, '.2f'):>5}"
-                + (f"  ({deltas[-1]['source']})" if deltas and deltas[-1].get("source") else "")
+                + (f"  ({deltas[-1].source})" if deltas and deltas[-1].source else "")
             )
     for config, by_kind in a.verdicts.items():
         for kind, v in by_kind.items():

@@ -15,6 +15,7 @@ from specwise.errors import SpecwiseError
 from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
 from specwise.harness.provenance import Provenance
+from specwise.harness.server_reports import CounterDelta
 from specwise.harness.statistics import Interval, Summary
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Verdict
@@ -218,7 +219,7 @@ class Run:
     fingerprint: str | None
     records: list[Record]
     phase_seconds: dict[str, float]
-    server_counters: dict[str, list[dict]]
+    server_counters: dict[str, list[CounterDelta]]
     stored_verdicts: dict[str, dict[str, Verdict]] = field(default_factory=dict)
     analysis: Analysis | None = None
 
@@ -248,7 +249,7 @@ def read_run(path: str | Path) -> Run:
             store.get_meta("fingerprint"),
             store.records(),
             store.get_meta("phase_seconds") or {},
-            store.get_meta("server_counters") or {},
+            {k: [CounterDelta.read(d) for d in v] for k, v in (store.get_meta("server_counters") or {}).items()},
             verdicts,
         )
     finally:

@@ -167,7 +167,7 @@ def run(
                     phases[key] = phases.get(key, 0.0) + phase.seconds
                     store.set_meta("phase_seconds", phases)
                     if phase.counters:  # the server's own spec-decode counters over this phase (vLLM's names)
-                        counters.setdefault(key, []).append(phase.counters)
+                        counters.setdefault(key, []).append(phase.counters.to_dict())
                         store.set_meta("server_counters", counters)
     if bar is not None:
         bar.close()

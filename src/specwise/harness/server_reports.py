@@ -18,6 +18,7 @@ phase are kept."""
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass, field, fields
 
 from specwise.speccounts import SpecCounts
 
@@ -66,25 +67,54 @@ def parse_spec_counters(text: str) -> dict | None:
     return out
 
 
-def counter_delta(before: dict | None, after: dict | None) -> dict | None:
-    """What the counters grew by over a phase (counts only: rates come from SpecCounts); gauges as they are after."""
+@dataclass(frozen=True)
+class CounterDelta:
+    """What a server's spec-decode counters grew by over one phase (vLLM's names; counts only: rates come from
+    SpecCounts), its gauges as they were after it (SGLang), and which server's metrics they were."""
+
+    num_drafts: float = 0.0
+    num_draft_tokens: float = 0.0
+    num_accepted_tokens: float = 0.0
+    accepted_per_pos: list[float] = field(default_factory=list)
+    accept_length: float | None = None
+    accept_rate: float | None = None
+    source: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, d: object) -> CounterDelta:
+        """From the stored form (a run file's `server_counters`)."""
+        if not isinstance(d, dict):
+            return cls()
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def counter_delta(before: dict | None, after: dict | None) -> CounterDelta | None:
+    """What the counters grew by over a phase; None where the server exposes none."""
     if before is None or after is None:
         return None
-    d: dict = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     positions = sorted(set(after["accepted_per_pos"]) | set(before["accepted_per_pos"]))
-    d["accepted_per_pos"] = [
-        after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0) for p in positions
-    ]
-    d.update({k: after[k] for k in ("accept_length", "accept_rate", "source") if k in after})
-    return d
+    return CounterDelta(
+        num_drafts=after["num_drafts"] - before["num_drafts"],
+        num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
+        num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        accepted_per_pos=[
+            after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0) for p in positions
+        ],
+        accept_length=after.get("accept_length"),
+        accept_rate=after.get("accept_rate"),
+        source=after.get("source"),
+    )
 
 
-def counts_from_counters(deltas: list[dict]) -> SpecCounts:
+def counts_from_counters(deltas: list[CounterDelta]) -> SpecCounts:
     """Phase deltas pooled as speculation counts (a counted draft is one verification step given draft tokens)."""
     return SpecCounts(
-        steps=round(sum(d["num_drafts"] for d in deltas)),
-        drafted=round(sum(d["num_draft_tokens"] for d in deltas)),
-        accepted=round(sum(d["num_accepted_tokens"] for d in deltas)),
+        steps=round(sum(d.num_drafts for d in deltas)),
+        drafted=round(sum(d.num_draft_tokens for d in deltas)),
+        accepted=round(sum(d.num_accepted_tokens for d in deltas)),
     )
 
 
