@@ -174,6 +174,7 @@ class Engine:
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.k_limit: int | None = None  # … and may cap the draft length (a per-load k table)
         self.last_step_rows: list[tuple[int, int]] = []
+        self._max_token_bytes: int | None = None  # the longest token's UTF-8 length (`_check_bytes`)
         self.faults: list[tuple[str, Exception]] = []  # (request id, error) of requests the last step failed alone
         self._probe_wait = 0  # batch steps since a lone probe was let through (see `_plan`)
         # Per drafter, the recent requests' per-token acceptance: where adaptive k starts a new request, so that
@@ -220,7 +221,7 @@ class Engine:
     def _check_bytes(self, nbytes: int) -> None:
         """Refuse a text that cannot fit the context: every token covers at most `max_token_bytes` bytes of it, so
         it has at least nbytes / that many tokens (with a factor of 2 to spare for decoders that rewrite text)."""
-        if not hasattr(self, "_max_token_bytes"):
+        if self._max_token_bytes is None:  # once per engine, at its first prompt (a pass over the vocabulary)
             self._max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.vocab()), default=1)
         most = 2 * self.max_len * max(self._max_token_bytes, 1)
         if nbytes > most:

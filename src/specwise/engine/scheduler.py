@@ -109,15 +109,17 @@ class Scheduler:
         """Check and queue a request; its events go to `sink` on the loop's thread. Raises SpecwiseError for bad
         input, QueueFull when the waiting queue holds `max_queue` requests (checked before the prompt is encoded,
         and again after) and SchedulerDown once the loop has stopped. `tokens`: the prompt already encoded."""
-        self._check_queue()
+        self.check_admission()
         seq = self.engine.prepare(prompt, params, options, request_id, tokens)
         with self._lock:  # the put is under the lock, so a dying loop either sees this request or refuses it
-            self._check_queue()
+            self.check_admission()
             self._pending += 1
             self._inbox.put(("submit", seq, sink))
         return seq
 
-    def _check_queue(self) -> None:
+    def check_admission(self) -> None:
+        """Raise QueueFull or SchedulerDown if a request could not be queued now (cheap: callers check before they
+        tokenize)."""
         self._check_up()
         if self.waiting >= self.max_queue:
             per_slot = self.recent_e2e / max(self.engine.max_batch, 1)

@@ -88,7 +88,7 @@ def _submit(
     sched = state.scheduler
     options = _options(body.speculative, max_tokens is None, tenant)
     try:
-        sched._check_queue()  # a full queue or a stopped engine refuses before any tokenizing
+        sched.check_admission()  # a full queue or a stopped engine refuses before any tokenizing
         params = _params(body, max_tokens, logprobs)
         for prompt in prompts:
             tokens = sched.engine.encode_prompt(prompt)
