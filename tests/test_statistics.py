@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specwise.harness.statistics import percentile, speedup_ci, summarize
-from specwise.harness.verdict import ADOPT, CONDITIONAL, REJECT, Cell, decide
+from specwise.harness.verdict import ADOPT, CONDITIONAL, INCONCLUSIVE, REJECT, Cell, decide, policy_from_verdict
 
 
 def test_percentiles_of_known_data():
@@ -89,10 +89,17 @@ def test_verdict_reject_on_error_rise_or_greedy_mismatch():
     assert decide([cell("copy", 1, 1.5, 2.0, mismatches=1)]).decision == REJECT
 
 
-def test_verdict_does_not_count_a_win_on_too_few_tasks():
-    v = decide([cell("copy", 1, 1.3, 1.6, n=2), cell("copy", 4, 1.2, 1.4, n=2)])
-    assert v.decision == REJECT
-    assert any("too few paired tasks" in c.text for c in v.clauses)
+def test_verdict_does_not_count_a_win_on_too_few_tasks_and_says_what_would_decide():
+    v = decide([cell("copy", 1, 1.3, 1.6, n=2), cell("copy", 4, 1.2, 1.4, n=2), cell("free", 1, 0.9, 1.2, n=3)])
+    assert v.decision == INCONCLUSIVE and v.headline().startswith("INCONCLUSIVE")
+    assert any("too few paired tasks to count (n=2 < 4)" in c.text for c in v.clauses)
+    assert "--tasks 8 or more" in v.clauses[-1].text and "--repeats 2" in v.clauses[-1].text
+    assert policy_from_verdict(v, [1, 4]) == ("never", None)  # no evidence of a gain: drafting stays off
+
+
+def test_too_few_tasks_is_still_a_rejection_where_a_counted_cell_loses_or_something_is_lost():
+    assert decide([cell("copy", 1, 1.3, 1.6, n=2), cell("copy", 4, 0.7, 0.9)]).decision == REJECT
+    assert decide([cell("copy", 1, 1.3, 1.6, n=2, mismatches=1)]).decision == REJECT
 
 
 def test_ks_tells_same_from_shifted_distributions():

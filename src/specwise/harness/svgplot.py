@@ -22,16 +22,43 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [start + i * step for i in range(int((hi - start) / step) + 1)]
 
 
-def _frame(title: str, body: str, x_label: str = "", y_label: str = "") -> str:
+def _frame(
+    title: str, body: str, x_label: str = "", y_label: str = "", legend: list[tuple[str, str]] | None = None
+) -> str:
+    """The chart's box, title and axis labels; a legend (name, colour) goes in rows below the x axis label, never
+    over the plotted area."""
+    keys, extra = _legend(legend or [])
+    height = H + extra
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {height}" width="{W}" height="{height}" '
         f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
         f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>'
         f'{body}<text x="{(L + W - R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
         f"{escape(x_label)}</text>"
         f'<text x="12" y="{(T + H - B) / 2}" font-size="11" transform="rotate(-90 12 {(T + H - B) / 2})" '
-        f'text-anchor="middle">{escape(y_label)}</text></svg>'
+        f'text-anchor="middle">{escape(y_label)}</text>{keys}</svg>'
     )
+
+
+LEGEND_ROW, CHAR_W = 16, 6.5  # a legend row's height; a rough width of one 11px character
+
+
+def _legend(items: list[tuple[str, str]]) -> tuple[str, int]:
+    """Swatches and names laid out left to right in rows under the chart: (SVG, the height it adds)."""
+    if not items:
+        return "", 0
+    out, x, row = [], 12.0, 0
+    for name, color in items:
+        width = 18 + CHAR_W * len(name) + 14
+        if x + width > W - 8 and x > 12:
+            x, row = 12.0, row + 1
+        y = H + 4 + row * LEGEND_ROW
+        out.append(
+            f'<g data-legend="{escape(name)}"><rect x="{x:.1f}" y="{y:.1f}" width="12" height="8" fill="{color}"/>'
+            f'<text x="{x + 16:.1f}" y="{y + 8:.1f}" font-size="11">{escape(name)}</text></g>'
+        )
+        x += width
+    return "".join(out), (row + 1) * LEGEND_ROW + 6
 
 
 def _xaxis(lo: float, hi: float, sx) -> str:
@@ -90,16 +117,16 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
     sx = lambda v: L + (v - x0) / (x1 - x0) * (W - L - R)  # noqa: E731
     sy = lambda v: H - B - v / y1 * (H - T - B)  # noqa: E731
     out = [_xaxis(x0, x1, sx), _yaxis(0, y1, sy)]
-    for i, (name, s) in enumerate(series.items()):
+    for i, s in enumerate(series.values()):
         c = COLORS[i % len(COLORS)]
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in sorted(s))
         out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{c}"/>' for x, y in s]
-        out.append(
-            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
-            f'fill="{c}">{escape(name)}</text>'
-        )
-    return _frame(title, "".join(out), x_label, y_label)
+    return _frame(title, "".join(out), x_label, y_label, _keys(series))
+
+
+def _keys(series: dict) -> list[tuple[str, str]]:
+    return [(name, COLORS[i % len(COLORS)]) for i, name in enumerate(series)]
 
 
 def scatter(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "", y_label: str = "") -> str:
@@ -111,14 +138,10 @@ def scatter(title: str, series: dict[str, list[tuple[float, float]]], x_label: s
     sx = lambda v: L + v / x1 * (W - L - R)  # noqa: E731
     sy = lambda v: H - B - v / y1 * (H - T - B)  # noqa: E731
     out = [_xaxis(0, x1, sx), _yaxis(0, y1, sy)]
-    for i, (name, s) in enumerate(series.items()):
+    for i, s in enumerate(series.values()):
         c = COLORS[i % len(COLORS)]
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{c}" fill-opacity="0.7"/>' for x, y in s]
-        out.append(
-            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
-            f'fill="{c}">{escape(name)}</text>'
-        )
-    return _frame(title, "".join(out), x_label, y_label)
+    return _frame(title, "".join(out), x_label, y_label, _keys(series))
 
 
 def bar_chart(
@@ -174,7 +197,7 @@ def band_chart(
             f'<line x1="{L}" y1="{sy(reference):.1f}" x2="{W - R}" y2="{sy(reference):.1f}" stroke="#333" '
             f'stroke-dasharray="5,4" data-reference="{reference:g}"/>'
         )
-    for i, (name, s) in enumerate(series.items()):
+    for i, s in enumerate(series.values()):
         c = COLORS[i % len(COLORS)]
         s = sorted(s)
         band = [f"{sx(x):.1f},{sy(hi):.1f}" for x, _, _, hi in s] + [
@@ -184,8 +207,4 @@ def band_chart(
         path = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v, _, _ in s)
         out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="3" fill="{c}"/>' for x, v, _, _ in s]
-        out.append(
-            f'<text x="{W - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" font-size="11" '
-            f'fill="{c}">{escape(name)}</text>'
-        )
-    return _frame(title, "".join(out), x_label, y_label)
+    return _frame(title, "".join(out), x_label, y_label, _keys(series))

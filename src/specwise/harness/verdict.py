@@ -1,4 +1,5 @@
-"""The adoption verdict: adopt, adopt only below a load threshold, or reject — with the evidence for each clause.
+"""The adoption verdict: adopt, adopt only below a load threshold, reject, or inconclusive (too little evidence
+either way) — with the evidence for each clause.
 
 Input is one `Cell` per workload group × load level: the E2E speedup with its confidence interval, validation pass
 rates, error rates and greedy mismatches of baseline and speculative runs. The rule (background article, "A sensible
@@ -10,6 +11,8 @@ adoption rule"):
   than `min_n` paired tasks never counts as a win: its interval means little);
 - conditional if, for some groups, it wins at every load up to a threshold and not above it: speculation on at or
   below the threshold (for those groups), off above it;
+- inconclusive if nothing is lost, no group wins, and some cell has too few paired tasks to count while none with
+  enough of them loses: more tasks or repeats would decide, and the verdict names them;
 - reject otherwise.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-ADOPT, CONDITIONAL, REJECT = "adopt", "conditional", "reject"
+ADOPT, CONDITIONAL, REJECT, INCONCLUSIVE = "adopt", "conditional", "reject", "inconclusive"
 BURSTY = 1.5  # a longest stall this many times the baseline's (CI lower bound) is reported as burstier streaming…
 NOTICEABLE_STALL = 0.05  # … when it is long enough to see: 50 ms, three frames at 60 Hz (a 10 ms hiccup is not)
 
@@ -86,6 +89,8 @@ class Verdict:
             return (
                 f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {self.threshold:g}; turn speculation off above it"
             )
+        if self.decision == INCONCLUSIVE:
+            return "INCONCLUSIVE — too few paired tasks to tell; nothing lost, no win shown (see the last clause)"
         return "REJECT — speculation does not pay off reliably here"
 
 
@@ -197,13 +202,25 @@ def decide(
     if winners:  # some groups win everywhere, others never: adopt for those groups only
         clauses.append(Clause(True, f"speculation wins at every load for {', '.join(winners)} only"))
         return Verdict(CONDITIONAL, loads[-1], winners, clauses, everywhere=True)
+    thin = [c for c in cells if c.n < min_n]
+    if thin and not any(c.hi < 1 for c in cells if c.n >= min_n):
+        fewest = min(c.n for c in thin)
+        clauses.append(
+            Clause(
+                False,
+                f"too few paired tasks to decide: {len(thin)} of {len(cells)} cells have fewer than {min_n} (the "
+                f"fewest n={fewest}) — evaluate with more tasks (--tasks {min_n * len(groups)} or more: {min_n} per "
+                f"group for {len(groups)} group(s)) or --repeats {-(-min_n // fewest)} (each repeat is a pair)",
+            )
+        )
+        return Verdict(INCONCLUSIVE, clauses=clauses)
     return Verdict(REJECT, clauses=clauses)
 
 
 def policy_from_verdict(v: Verdict, loads: list[float]) -> tuple[str, int | None]:
     """The load policy a concurrency verdict justifies: adopt → drafting on up to the highest concurrency measured
-    (nothing is known above it); conditional → on up to its threshold; reject → never."""
-    if v.decision == REJECT:
+    (nothing is known above it); conditional → on up to its threshold; reject or inconclusive → never."""
+    if v.decision in (REJECT, INCONCLUSIVE):
         return "never", None
     high = v.threshold if v.decision == CONDITIONAL and not v.everywhere and v.threshold is not None else max(loads)
     return "auto", max(int(high), 1)
