@@ -43,10 +43,11 @@ def main() -> None:
     ap.add_argument("--level", default="native", help="the llama.cpp build (scripts/llama-server.sh LLAMA_LEVEL)")
     args = ap.parse_args()
     from specwise.engine.tokenizer import Tokenizer
-    from specwise.engine.weights import convert_gguf, embedded_model_path, file_sha256
+    from specwise.engine.weights import convert_gguf, embedded_model_path
+    from specwise.identity import gguf_sha256
 
     gguf = embedded_model_path()
-    tok = Tokenizer(convert_gguf(gguf, file_sha256(gguf)))
+    tok = Tokenizer(convert_gguf(gguf, gguf_sha256(gguf)))
     prompts = [
         tok.encode(tok.apply_chat_template(chat(p), add_generation_prompt=True), add_special_tokens=False)
         for p in COPY_HEAVY[:2] + FREE_FORM[:2]

@@ -126,7 +126,15 @@ def test_no_import_cycle_among_specwise_modules():
     assert cycle is None, "import cycle: " + " → ".join(cycle)
 
 
-SHARED = {"specwise", "specwise.errors", "specwise.specs", "specwise.speccounts", "specwise.paths", "specwise.policy"}
+SHARED = {
+    "specwise",
+    "specwise.errors",
+    "specwise.specs",
+    "specwise.speccounts",
+    "specwise.paths",
+    "specwise.policy",
+    "specwise.identity",
+}
 # What each layer may import besides itself and the shared modules (docs/ARCHITECTURE.md): a layer, or one module.
 ALLOWED = {
     "shared": set(),

@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from specwise import __version__
-from specwise.cli import compare, evaluate, export, generate, monitor, policy, report, serve
+from specwise.cli import compare, evaluate, export, export_hf, generate, monitor, policy, report, serve
 from specwise.errors import SpecwiseError
 
-SUBCOMMANDS = (generate, evaluate, serve, policy, export, report, monitor, compare)
+SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, report, monitor, compare)
 
 
 def build_parser() -> argparse.ArgumentParser:

