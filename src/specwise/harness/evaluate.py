@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from specwise.errors import SpecwiseError
+from specwise.harness import commands
 from specwise.harness.analyze import load_run, store_verdicts
 from specwise.harness.backends import Backend
 from specwise.harness.config import Config
@@ -83,8 +84,12 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             if c.get("request") is not None and not isinstance(c["request"], dict):
                 raise SpecwiseError(f"{path}: configs[{i}].request must be a mapping of extra request fields")
             where = f"{path}: configs[{i}]"
-            drafter = _check_drafter(c.get("drafter"), where) if not c.get("launch") else None
             k = _where(where, parse_k, c.get("k", "auto"))
+            if c.get("launch"):  # the server's own command says what it drafts (unless the file says it)
+                drafter, k_said = _where(where, commands.speculation, c["launch"])
+                drafter, k = c.get("drafter") or drafter, k if "k" in c else k_said
+            else:
+                drafter = _check_drafter(c.get("drafter"), where)
             verify = _where(where, check_verify, c["verify"]) if c.get("verify") is not None else None
             if verify and getattr(args, "endpoint", None):
                 raise SpecwiseError(
@@ -96,7 +101,7 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
     if getattr(args, "launch", None):
         if len(args.launch) < 2:
             raise SpecwiseError("--launch: give one command per configuration, the baseline's first (at least two)")
-        return launch_configs(args.launch)
+        return launch_configs(args.launch, _ks(getattr(args, "k", ["auto"])))
     drafters = args.drafter or ["ngram"]
     configs = [Config("baseline")] + [
         Config(f"{_check_drafter(d, '--drafter')} k={k}", d, k) for d in drafters for k in _ks(args.k)
@@ -124,8 +129,11 @@ LAUNCH_NAME = re.compile(
 )  # lowercase: `FOO=1 cmd` stays an environment assignment
 
 
-def launch_configs(launches: list[str]) -> list[Config]:
-    """`--launch [NAME=]CMD`, the baseline's first: named as given, else baseline, speculative(-i)."""
+def launch_configs(launches: list[str], ks: list[int | str] | None = None) -> list[Config]:
+    """`--launch [NAME=]CMD`, the baseline's first: named as given, else baseline, speculative(-i). A command with
+    `{k}` becomes one configuration per `--k` draft length (a sweep over launched servers, `NAME k=K`); each
+    configuration's drafter and k are read from its command (commands.speculation), so a sweep can be exported."""
+    ks = ks or ["auto"]
     defaults = ["baseline"] + (
         ["speculative"] if len(launches) == 2 else [f"speculative-{i}" for i in range(1, len(launches))]
     )
@@ -135,7 +143,17 @@ def launch_configs(launches: list[str]) -> list[Config]:
         name, cmd = (m.group(1), m.group(2).strip()) if m else (default, text.strip())
         if not cmd:
             raise SpecwiseError(f"--launch {text!r}: give a command after {name}= (e.g. {name}=llama-server -m M.gguf)")
-        configs.append(Config(name, None, "auto", None, cmd))
+        swept = commands.with_k(cmd, ks)
+        for k, one in swept:
+            drafter, k_said = commands.speculation(one)
+            configs.append(Config(f"{name} k={k}" if len(swept) > 1 else name, drafter, k_said, None, one))
+    if ks != ["auto"] and not any(commands.K_PLACEHOLDER in t for t in launches):
+        raise SpecwiseError(
+            f"--k {','.join(map(str, ks))} with --launch sweeps only commands that hold {commands.K_PLACEHOLDER} (e.g. "
+            "'\"num_speculative_tokens\": {k}' in vLLM's --speculative-config): put it where the draft length goes"
+        )
+    if commands.K_PLACEHOLDER in launches[0]:
+        raise SpecwiseError(f"--launch: the baseline's command (the first) cannot hold {commands.K_PLACEHOLDER}")
     names = [c.name for c in configs]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
