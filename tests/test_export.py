@@ -115,6 +115,15 @@ def test_export_writes_each_format(tmp_path):
     assert policy["k_by_concurrency"] == [[1, 2], [4, 0]] and policy["drafter"] == "ngram"
 
 
+def test_vllm_export_turns_drafting_off_above_the_highest_load_measured(tmp_path):
+    """vLLM carries the last range's k to every larger batch; the export does not claim what was not measured."""
+    winning = {**TIMES, ("ngram k=1", "concurrent@4"): 0.9}
+    proc = cli("export-config", sweep_run(tmp_path / "run.db", winning), "--format", "vllm")
+    ranges = json.loads(proc.stdout)["num_speculative_tokens_per_batch_size"]
+    assert ranges == [[1, 1, 2], [2, 4, 1], [5, 65536, 0]]
+    assert "above concurrency 4: k=0" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "make, args, needle",
     [

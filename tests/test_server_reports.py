@@ -50,7 +50,7 @@ def test_llamacpp_per_request_timings():
     assert spec_from_payload(no_spec) is None
 
 
-def test_vllm_per_request_summary_from_its_documentation():
+def test_vllm_per_request_summary_as_vllm_0_32_sends_it():
     body = {
         "choices": [],
         "usage": {},
@@ -59,7 +59,6 @@ def test_vllm_per_request_summary_from_its_documentation():
                 "mean_acceptance_length": 1.2325581395348837,
                 "draft_acceptance_rate": 0.07751937984496124,
                 "acceptance_histogram": [39, 1, 0, 3],
-                "acceptance_histogram_by_draft_length": {"3": [39, 1, 0, 3]},
                 "num_spec_steps": 43,
                 "num_accepted_draft_tokens": 10,
                 "num_draft_tokens": 129,
@@ -73,7 +72,26 @@ def test_vllm_per_request_summary_from_its_documentation():
     assert c.mean_acceptance_length == pytest.approx(1.2325581395348837)
     assert c.acceptance_rate == pytest.approx(0.07751937984496124)
     assert c.accepted_per_position == [4, 3, 3]  # steps that kept position 1, 2, 3
-    assert c.drafted_per_position == [43, 43, 43] and c.rejections == 40
+    assert c.drafted_per_position == [43, 43, 43] and c.rejections == 40  # 129 = 43 × 3: every step drafted 3
+
+
+def test_vllm_per_request_detailed_gives_every_steps_counts():
+    """`--per-request-spec-decode-metrics detailed`: per-step arrays; n-gram steps draft fewer than k at times."""
+    m = {
+        "acceptance_histogram": [1, 1, 0, 1],
+        "num_spec_steps": 3,
+        "num_accepted_draft_tokens": 4,
+        "num_draft_tokens": 7,
+        "num_spec_tokens": 3,
+        "per_step_accepted": [3, 0, 1],
+        "per_step_drafted": [3, 1, 3],
+    }
+    c = spec_from_payload({"choices": [], "metrics": {"speculative_decoding": m}})
+    assert (c.steps, c.drafted, c.accepted, c.rejections) == (3, 7, 4, 2)
+    assert c.drafted_per_position == [3, 2, 2] and c.accepted_per_position == [2, 1, 1]
+    summary = spec_from_payload({"metrics": {"speculative_decoding": {k: v for k, v in m.items() if "step_" not in k}}})
+    assert (summary.steps, summary.drafted, summary.accepted) == (3, 7, 4)
+    assert summary.drafted_per_position == []  # 7 ≠ 3 × 3: which positions were drafted is not known
 
 
 def test_vllm_counters_with_positions():

@@ -12,9 +12,18 @@ from specwise.harness.results import Run
 def _flags(a: Run, b: Run) -> list[str]:
     pa, pb = a.provenance, b.provenance
     flags = []
-    ta, tb = pa.target, pb.target
-    if ta.sha256 != tb.sha256:
+    ta, tb = pa.served_target, pb.served_target
+    if why := ta.same_weights_as(tb):
+        flags.append(f"target differs: {why}")
+    elif ta.sha256 != tb.sha256:
         flags.append(f"target revision differs: {ta.name} {str(ta.sha256)[:12]} vs {tb.name} {str(tb.sha256)[:12]}")
+    servers_a = {str(f.server) for f in pa.facts.values() if f.server}
+    servers_b = {str(f.server) for f in pb.facts.values() if f.server}
+    if servers_a != servers_b:
+        flags.append(
+            f"server differs: {'; '.join(sorted(servers_a)) or 'in-process engine'} vs "
+            f"{'; '.join(sorted(servers_b)) or 'in-process engine'}"
+        )
     for name in sorted(set(pa.configs) & set(pb.configs)):
         da, db = pa.configs[name].draft_identity, pb.configs[name].draft_identity
         if da != db:

@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 
 from specwise.errors import SpecwiseError
+from specwise.harness import commands
 from specwise.harness.results import KChoice, Run
 from specwise.policy import PolicyFile
 from specwise.specs import EXPORT_FORMATS
+
+VLLM_MAX_BATCH = 65536  # the open end of the last range (vLLM clips it to its max_num_seqs)
 
 
 def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, list[str]]:
@@ -48,15 +51,23 @@ def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, 
         for c in choices:
             ranges.append([start, int(c.concurrency), c.k])
             start = int(c.concurrency) + 1
+        if ranges[-1][2]:  # vLLM carries the last range's k to every larger batch: above what was measured, off
+            ranges.append([start, VLLM_MAX_BATCH, 0])
+            notes.append(
+                f"above concurrency {top:g}: k=0 (drafting off: vLLM would carry the last k to every larger batch, "
+                "which this run did not measure)"
+            )
         lookup = int(name.partition(":")[2] or 3)
+        swept = _swept_vllm_config(run, name)  # a sweep of launched vLLM servers: its own settings, k aside
         config = {
-            "method": "ngram",
+            **(swept or {"method": "ngram", "prompt_lookup_max": lookup, "prompt_lookup_min": 1}),
             "num_speculative_tokens": max(c.k for c in choices),
-            "prompt_lookup_max": lookup,
-            "prompt_lookup_min": 1,
             "num_speculative_tokens_per_batch_size": ranges,
         }
-        notes.append("vLLM documents per-batch-size k as tested with EAGLE-family methods; check it with n-gram")
+        notes.append(
+            "vLLM 0.32.0 (CPU) starts with this table for n-gram and drafts by it (tests/test_vllm.py); older vLLM "
+            "releases take no num_speculative_tokens_per_batch_size: drop it and keep num_speculative_tokens"
+        )
         return json.dumps(config), notes
     first = min(choices, key=lambda c: c.concurrency)
     if first.k == 0:
@@ -68,6 +79,18 @@ def export_config(run: Run, fmt: str, drafter: str | None = None) -> tuple[str, 
     if fmt == "sglang":
         return f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {first.k}", notes
     return f"--spec-type ngram-simple --spec-draft-n-max {first.k}", notes
+
+
+def _swept_vllm_config(run: Run, drafter: str) -> dict | None:
+    """The `--speculative-config` the sweep's launched vLLM servers ran with (the first swept one's), if any."""
+    for c in run.plan.configs:
+        if c.drafter == drafter and c.launch and (spec := commands.vllm_speculative_config(c.launch)) is not None:
+            return {
+                k: v
+                for k, v in spec.items()
+                if k not in ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
+            }
+    return None
 
 
 def _choices(run: Run, drafter: str | None) -> list[KChoice]:

@@ -8,17 +8,18 @@ import os
 import platform
 
 from specwise.errors import SpecwiseError
+from specwise.harness.provenance import SystemFacts
 
 COMPARED = ("target", "server", "hardware")  # what must be the same for a paired comparison to mean anything
 
 
 def check_comparable(facts: dict[str, dict]) -> None:
     """Refuse configurations whose systems differ in target, server build or hardware, saying what differs."""
-    names = list(facts)
+    systems = {n: SystemFacts.read(f) for n, f in facts.items()}
     for field_ in COMPARED:
-        values = {n: json.dumps(facts[n].get(field_), sort_keys=True) for n in names}
-        if len(set(values.values())) > 1:
-            detail = "; ".join(f"{n}: {describe(facts[n].get(field_))}" for n in names)
+        said = {n: s.named(field_) for n, s in systems.items()}
+        if len({json.dumps(v, sort_keys=True) for v in said.values()}) > 1:
+            detail = "; ".join(f"{n}: {describe(v)}" for n, v in said.items())
             raise SpecwiseError(
                 f"the configurations differ in {field_} ({detail}): a paired comparison needs the same target, "
                 "server build and hardware"

@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -31,12 +30,14 @@ from pathlib import Path
 import httpx
 
 from specwise.errors import SpecwiseError
+from specwise.harness import commands
 from specwise.harness.backends import Phase, Request, dispatch
 from specwise.harness.config import Config, redact
 from specwise.harness.facts import check_comparable, hardware
 from specwise.harness.load import Load
 from specwise.harness.server_reports import counter_delta, parse_spec_counters, spec_from_payload
 from specwise.harness.store import Record
+from specwise.identity import local_weights
 
 
 class HTTPBackend:
@@ -123,12 +124,16 @@ class HTTPBackend:
 
     def _start(self, name: str) -> None:
         cmd = self.configs[name].launch
+        assert cmd is not None  # launching: every configuration has a command (checked in __init__)
         self._check_port_free(name)
         log_path = (self.log_dir or Path(".")) / f"server-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until stopped
         try:
-            self.proc = subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        except (OSError, ValueError) as exc:
+            env, argv = commands.split(cmd)  # `VAR=1 prog …` as a shell reads it, with or without `env`
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env}
+            )
+        except (OSError, ValueError, SpecwiseError) as exc:
             raise SpecwiseError(f"--launch for {name!r}: cannot start {redact(cmd)!r} ({exc})") from None
         finally:
             log.close()
@@ -223,18 +228,31 @@ class HTTPBackend:
         target = dict(self.target)
         server: dict = {"kind": "unknown", "version": None}
         own = self._json("/v1/models")
-        entry: dict = next((m for m in (own or {}).get("data") or [] if m.get("id") == self.model), {})
+        models = (own or {}).get("data")
+        entry: dict = next((m for m in models or [] if isinstance(m, dict) and m.get("id") == self.model), {})
+        path = None  # where the server says it loaded the weights from
         if entry.get("specwise"):
             own_info = entry["specwise"]
             server = {"kind": "specwise", "version": own_info.get("version"), "kernels": own_info.get("kernels")}
         elif (props := self._json("/props")) and "build_info" in props:
             server = {"kind": "llama.cpp", "version": props.get("build_info")}
-            target.setdefault("path", props.get("model_path"))
+            path = props.get("model_path")
         elif (ver := self._json("/version")) and "version" in ver:
             server = {"kind": "vllm", "version": ver.get("version")}
+            path = entry.get("root")
         elif (info := self._json("/get_server_info")) and "version" in info:
             server = {"kind": "sglang", "version": info.get("version")}
+            path = info.get("model_path")
+        if isinstance(path, str) and not target.get("sha256"):
+            target.setdefault("path", path)
+            if not self._remote():  # a path on this machine: name its weights as the engine would
+                target.update(local_weights(path))
         return {"target": target, "server": server, "hardware": {**hardware(), "measured_from": "client"}}
+
+    def _remote(self) -> bool:
+        """Whether the endpoint is on another machine (a path it names is then not a path here)."""
+        host = httpx.URL(self.base).host
+        return host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0") and not host.startswith("127.")
 
     def _json(self, path: str) -> dict | None:
         try:

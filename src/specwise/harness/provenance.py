@@ -5,7 +5,7 @@ fields: they read as None)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 def _of(d: object, key: str) -> object:
@@ -31,10 +31,34 @@ class Target:
     precision: str | None = None
     path: str | None = None
     endpoint: str | None = None
+    source_sha256: str | None = None  # of the file its weights derive from (a GGUF, for an export-hf directory)
+    derived_from: str | None = None  # that file's path, for an export
 
     @classmethod
     def read(cls, d: object) -> Target:
-        return cls(*(_text(d, k) for k in ("name", "sha256", "precision", "path", "endpoint")))
+        keys = ("name", "sha256", "precision", "path", "endpoint", "source_sha256", "derived_from")
+        return cls(*(_text(d, k) for k in keys))
+
+    def origin(self) -> str | None:
+        """The hash of the weights at the root of this target: the source of an export, else its own."""
+        return self.source_sha256 or self.sha256
+
+    def same_weights_as(self, other: Target) -> str | None:
+        """Why this target and `other` are not the same weights (None when they are, or when either is unnamed)."""
+        if not self.sha256 or not other.sha256 or self.sha256 == other.sha256:
+            return None
+        if self.origin() == other.origin():
+            return (
+                f"both derive from the same source ({str(self.origin())[:12]}…) in other forms — "
+                f"{self.describe()} vs {other.describe()}: not the same numbers, so outputs and speed differ by more "
+                "than the engines"
+            )
+        return f"different weights: {self.describe()} vs {other.describe()}"
+
+    def describe(self) -> str:
+        form = f"{self.precision} " if self.precision else ""
+        kind = "derived from its source" if self.source_sha256 and self.source_sha256 != self.sha256 else "as stored"
+        return f"{self.name or '?'} ({form}{kind}, sha256 {str(self.sha256)[:12]}…)"
 
 
 @dataclass(frozen=True)
@@ -67,15 +91,29 @@ class ConfigProvenance:
 
 @dataclass(frozen=True)
 class SystemFacts:
-    """What one configuration's own system reported of itself: its server (kind, version, kernels) and target."""
+    """What one configuration's own system reported of itself: its server (kind, version, kernels), target and
+    hardware."""
 
     server: dict | None = None
     target: Target = field(default_factory=Target)
+    hardware: Hardware = field(default_factory=Hardware)
 
     @classmethod
     def read(cls, d: object) -> SystemFacts:
         server = _of(d, "server")
-        return cls(server if isinstance(server, dict) else None, Target.read(_of(d, "target")))
+        return cls(
+            server if isinstance(server, dict) else None,
+            Target.read(_of(d, "target")),
+            Hardware.read(_of(d, "hardware")),
+        )
+
+    def named(self, part: str) -> dict | None:
+        """One of COMPARED as a plain mapping (only what was said), for comparing and showing."""
+        value = getattr(self, part)
+        if isinstance(value, Target | Hardware):
+            said = {k: v for k, v in asdict(value).items() if v is not None}
+            return said or None
+        return value
 
 
 @dataclass(frozen=True)
@@ -86,6 +124,15 @@ class Provenance:
     configs: dict[str, ConfigProvenance]
     facts: dict[str, SystemFacts]
     raw: dict  # as stored
+
+    @property
+    def served_target(self) -> Target:
+        """The target as measured: the run's own when it names the weights, else (a server the harness launched)
+        the first configuration's server's."""
+        if self.target.sha256:
+            return self.target
+        named = [f.target for f in self.facts.values() if f.target.sha256]
+        return named[0] if named else self.target
 
     @classmethod
     def read(cls, d: object) -> Provenance:

@@ -55,13 +55,15 @@ def console_summary(run: Run) -> str:
     a = run.analysed
     lines = []
     prov = run.provenance
-    target, hw = prov.target, prov.hardware
+    target, hw = prov.served_target, prov.hardware
     lines.append(f"run {run.path}  fingerprint {run.fingerprint}  specwise {prov.specwise_version}")
     sha = target.sha256
     precision = f"{target.precision}, " if target.precision else ""
     kernels = f", kernels {hw.kernels}" if hw.kernels else ""
     lines.append(
-        f"target {describe(target.name)} ({precision}sha256 {sha[:12] + '…' if sha else 'unknown'})  "
+        f"target {describe(target.name)} ({precision}sha256 {sha[:12] + '…' if sha else 'unknown'}"
+        + (f", derived from {target.source_sha256[:12]}…" if target.source_sha256 else "")
+        + ")  "
         f"hardware {describe(hw.cpu)} ×{describe(hw.cpu_threads)}{kernels}"
     )
     servers = {describe(f.server) for f in prov.facts.values() if f.server}
@@ -103,6 +105,8 @@ def console_summary(run: Run) -> str:
             f"{_fmt(row.drafting_share and 100 * row.drafting_share, '.1f'):>6} "
             f"{_fmt(row.goodput, '.3f'):>9}"
         )
+    if note := _unreported_note(run):
+        lines.append(note)
     streamed = [row for row in a.table if row.stream is not None]
     if streamed:
         lines.append("")
@@ -141,6 +145,39 @@ def console_summary(run: Run) -> str:
     return "\n".join(lines)
 
 
+def counter_positions(run: Run) -> list[float]:
+    """Acceptance at each draft position from the scraped counters of every speculative phase: accepted at the
+    position over drafts (vLLM's own per-position rate; a draft shorter than k counts as not accepted there)."""
+    deltas = [
+        d for key, ds in run.server_counters.items() if not key.startswith(run.analysed.baseline + "|") for d in ds
+    ]
+    drafts = sum(d.num_drafts for d in deltas)
+    if not drafts or not any(d.accepted_per_pos for d in deltas):
+        return []
+    width = max(len(d.accepted_per_pos) for d in deltas)
+    return [sum(d.accepted_per_pos[i] for d in deltas if i < len(d.accepted_per_pos)) / drafts for i in range(width)]
+
+
+def unreported(run: Run) -> list[str]:
+    """Speculative configurations whose server counted drafts (its /metrics) but reported no speculation per request:
+    their per-request acceptance columns are empty, and the report says why."""
+    a = run.analysed
+    counted = {key.partition("|")[0] for key, ds in run.server_counters.items() if any(d.num_drafts for d in ds)}
+    per_request = {row.config for row in a.table if row.acceptance_rate is not None}
+    return sorted(counted - per_request - {a.baseline})
+
+
+def _unreported_note(run: Run) -> str:
+    names = unreported(run)
+    if not names:
+        return ""
+    return (
+        f"{', '.join(names)}: the server counted drafts but reported no speculation per request, so accept and MAL "
+        "per request are empty (vLLM reports them when started with --per-request-spec-decode-metrics detailed); "
+        "its counters give each phase's figures"
+    )
+
+
 def plots(run: Run) -> dict[str, str]:
     """Every plot of the report, by name."""
     a = run.analysed
@@ -174,13 +211,11 @@ def plots(run: Run) -> dict[str, str]:
     for r in spec_rows:
         for i, v in enumerate(r.acceptance_by_position):
             by_pos.setdefault(i, []).append(v)
-    out["acceptance_by_position"] = svgplot.bar_chart(
-        "Acceptance by draft position",
-        [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())],
-        "position",
-        "acceptance",
-        y_max=1.0,
-    )
+    bars = [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())]
+    title = "Acceptance by draft position"
+    if not bars and (counted := counter_positions(run)):  # no per-request positions: the server's own counters
+        bars, title = [(str(i + 1), v) for i, v in enumerate(counted)], title + " (server counters: accepted / drafts)"
+    out["acceptance_by_position"] = svgplot.bar_chart(title, bars, "position", "acceptance", y_max=1.0)
     pts: dict[str, list[tuple[float, float]]] = {}
     for rec in run.records:
         if rec.error is None and rec.ttft is not None and rec.e2e is not None:
@@ -270,6 +305,7 @@ def html_report(run: Run) -> str:
         for c in a.comparisons
     )
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
+    note = f'<p class="unreported">{escape(text)}</p>' if (text := _unreported_note(run)) else ""
     provenance = escape(
         json.dumps(
             {k: prov.raw[k] for k in ("specwise_version", "target", "configs", "hardware") if k in prov.raw}, indent=2
@@ -280,12 +316,13 @@ body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
 figure{{display:inline-block;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
 table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
 .verdict{{border-left:6px solid #999;padding:0.2em 1em;margin:1em 0}}.adopt{{border-color:#59a14f}}
-.conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}li.bad{{color:#b00}}li.neutral{{color:#666}}
+.conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}.inconclusive{{border-color:#bab0ac}}
+li.bad{{color:#b00}}li.neutral{{color:#666}}
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
 configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
-{verdicts}{determinism}{best_k}<h2>Plots</h2>{figs}<h2>Paired comparisons</h2>{table}
+{verdicts}{determinism}{best_k}<h2>Plots</h2>{note}{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 

@@ -5,7 +5,8 @@ Per request (the final stream chunk, or the response body):
 
 - specwise: `usage.speculative` (or `speculative`) — steps, drafted, accepted, per position;
 - vLLM (`--per-request-spec-decode-metrics summary|detailed`): `metrics.speculative_decoding` — `num_spec_steps`,
-  `num_draft_tokens`, `num_accepted_draft_tokens`, `acceptance_histogram[_by_draft_length]`;
+  `num_draft_tokens`, `num_accepted_draft_tokens`, `acceptance_histogram`, and with `detailed` `per_step_drafted`
+  and `per_step_accepted` (every step's counts);
 - llama.cpp's `llama-server`: `timings.draft_n` and `timings.draft_n_accepted` (no step count: MAL comes from its
   counters);
 - SGLang: `meta_info` (top level or per choice) — `spec_verify_ct`, `spec_accept_token_num`, `spec_draft_token_num`.
@@ -141,7 +142,15 @@ def spec_from_payload(obj: dict) -> SpecCounts | None:
 
 
 def _from_vllm(m: dict) -> SpecCounts:
-    """vLLM's per-request summary; per-position counts from the histograms where it gives them."""
+    """vLLM's per-request metrics: with `detailed`, every verification step's drafted and accepted counts (all of
+    specwise's counts follow); with `summary`, the histogram of accepted counts per step (accepted per position;
+    the drafted per position only where every step drafted num_spec_tokens)."""
+    drafted_steps, accepted_steps = m.get("per_step_drafted") or [], m.get("per_step_accepted") or []
+    if _counts(drafted_steps) and _counts(accepted_steps) and len(drafted_steps) == len(accepted_steps):
+        c = SpecCounts()
+        for d, a in zip(drafted_steps, accepted_steps, strict=True):
+            c.observe_step(int(d), min(int(a), int(d)))
+        return c
     c = SpecCounts(
         steps=int(m.get("num_spec_steps") or 0),
         drafted=int(m.get("num_draft_tokens") or 0),
@@ -149,9 +158,12 @@ def _from_vllm(m: dict) -> SpecCounts:
     )
     hist = m.get("acceptance_histogram") or []  # hist[j]: steps that accepted exactly j draft tokens
     c.accepted_per_position = [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
-    by_len = m.get("acceptance_histogram_by_draft_length") or {}
-    if by_len:
-        k_max = max(int(k) for k in by_len)
-        c.drafted_per_position = [sum(sum(h) for k, h in by_len.items() if int(k) > i) for i in range(k_max)]
-        c.rejections = sum(sum(h[: int(k)]) for k, h in by_len.items())
+    k = m.get("num_spec_tokens")
+    if isinstance(k, int) and k > 0 and c.drafted == c.steps * k:  # every step drafted k: the positions follow
+        c.drafted_per_position = [c.steps] * k
+        c.rejections = c.steps - (hist[k] if len(hist) > k else 0)
     return c
+
+
+def _counts(v: object) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
