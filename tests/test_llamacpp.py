@@ -15,6 +15,7 @@ from test_server import free_port
 
 from specwise.engine.weights import embedded_model_path
 from specwise.harness.analyze import load_run
+from specwise.harness.report import counter_positions, plots, unreported
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY = [
@@ -97,6 +98,15 @@ def test_llamacpp_acceptance_is_read_per_request_and_from_its_counters(llama_run
     assert counters.source == "llamacpp" and counters.num_drafts > 0
     assert counters.num_draft_tokens == sum(r.spec.drafted for r in spec if r.spec and r.load == "concurrent@1")
     assert "(llamacpp)" in stdout
+    # llama.cpp reports no positions per request: acceptance by position comes from its per-position counters.
+    assert counters.accepted_per_pos and sum(counters.accepted_per_pos) == counters.num_accepted_tokens
+    by_position = plots(run)["acceptance_by_position"]
+    assert "server counters: accepted / drafts" in by_position and "no data" not in by_position
+    spec_phases = [d for key, ds in run.server_counters.items() if key.startswith("llama-ngram|") for d in ds]
+    assert counter_positions(run)[0] == pytest.approx(
+        sum(d.accepted_per_pos[0] for d in spec_phases) / sum(d.num_drafts for d in spec_phases)
+    )
+    assert not unreported(run)  # it did report acceptance per request (timings.draft_n)
 
 
 def test_llamacpp_losslessness_is_judged_against_its_own_determinism(llama_run):
