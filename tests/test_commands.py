@@ -62,3 +62,15 @@ def test_a_k_placeholder_sweeps_launched_servers_and_each_config_knows_its_k():
         with_k(spec, ["auto"])
     with pytest.raises(SpecwiseError, match="baseline"):
         launch_configs([spec, spec], [1, 2])
+
+
+def test_serve_drafter_none_is_plain_decoding_as_its_help_says(tiny_dir):
+    """`--drafter none` names the default (its help says none); it was refused as an unknown drafter."""
+    import httpx
+    from test_server import serve_process
+
+    with serve_process("--model", tiny_dir, "--drafter", "none", timeout=120) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    spec = r.json()["usage"]["speculative"]
+    assert spec["drafter"] is None and spec["drafted_tokens"] == 0

@@ -243,7 +243,7 @@ class HTTPBackend:
         elif (info := self._json("/get_server_info")) and "version" in info:
             server = {"kind": "sglang", "version": info.get("version")}
             path = info.get("model_path")
-        if isinstance(path, str) and not target.get("sha256"):
+        if isinstance(path, str) and "sha256" not in target:
             target.setdefault("path", path)
             if not self._remote():  # a path on this machine: name its weights as the engine would
                 target.update(local_weights(path))
