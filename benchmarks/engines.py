@@ -116,31 +116,36 @@ def main() -> None:
             values = [c.e2e_speedup.value for c in run.analysed.comparisons if c.config == "ngram" and c.load == load]
             by_load[load] = statistics.median(values) if values else None
         target = run.provenance.served_target
+        reasons = [c.text for c in verdict.clauses if not c.ok and not c.neutral]
         rows.append(
             (
                 engine,
-                target.precision or "?",
+                target.describe(),
                 decode_rate(run, "plain"),
                 decode_rate(run, "ngram"),
                 spec,
                 by_load,
                 verdict.headline().split(" — ")[0] + (f" ≤ {verdict.threshold:g}" if verdict.threshold else ""),
                 time.perf_counter() - t0,
+                f"{len(reasons)} clause(s) against, e.g. {reasons[0]}" if reasons else "",
             )
         )
     loads = sorted({ld for r in rows for ld in r[5]})
     print(f"\n{args.tasks} tasks of release-notes, {args.max_tokens} tokens, concurrency {args.concurrency}, 2 threads")
-    head = f"{'engine':>9} {'target':>14} {'plain tok/s':>11} {'ngram tok/s':>11} {'×':>5} {'accept':>6} {'MAL':>5}"
+    head = f"{'engine':>9} {'plain tok/s':>11} {'ngram tok/s':>11} {'×':>5} {'accept':>6} {'MAL':>5}"
     head += "".join(f" {'E2E× ' + ld.split('@')[1]:>8}" for ld in loads) + f" {'verdict':>18} {'wall s':>6}"
     print(head)
-    for engine, precision, plain, ngram, spec, by_load, verdict, wall in rows:
+    for engine, _, plain, ngram, spec, by_load, verdict, wall, _ in rows:
         ratio = ngram / plain if plain and ngram else None
         cells = "".join(f" {by_load.get(ld) or float('nan'):>8.2f}" for ld in loads)
         print(
-            f"{engine:>9} {precision:>14} {plain or float('nan'):>11.1f} {ngram or float('nan'):>11.1f} "
+            f"{engine:>9} {plain or float('nan'):>11.1f} {ngram or float('nan'):>11.1f} "
             f"{ratio or float('nan'):>5.2f} {spec.acceptance_rate or float('nan'):>6.2f} "
             f"{spec.mean_acceptance_length or float('nan'):>5.2f}{cells} {verdict:>18} {wall:>6.0f}"
         )
+    print("\ntargets (not one set of numbers: the harness names each system's own):")
+    for engine, target, *_, why in rows:
+        print(f"  {engine}: {target}" + (f"\n    verdict: {why}" if why else ""))
     print(f"\nruns kept in {work}")
 
 
