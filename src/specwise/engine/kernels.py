@@ -31,7 +31,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 3
+ABI = 4
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -289,6 +289,12 @@ def library(variant: str | None = None) -> ctypes.CDLL:
         lib.sw_scratch_floats.argtypes = [ctypes.POINTER(SwModel), _I, _I, _I]
         lib.sw_scratch_floats.restype = ctypes.c_long
         lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P, _I]
+        lib.sw_forward_features.argtypes = [
+            ctypes.POINTER(SwModel),
+            ctypes.POINTER(SwCache),
+            *(_I, _P, _P, _P, _I, _P, _P),
+            *(_I, _P, _P, _P, _I),
+        ]
         lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
         lib.sw_stream.restype = ctypes.c_uint64
         _libs[variant] = lib

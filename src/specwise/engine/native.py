@@ -413,6 +413,41 @@ class NativeDecoder:
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tokens (M,) at positions (M,) in cache slots (M,) → fp32 logits (len(out_rows), V) (all rows if None)."""
+        return self._forward(cache, tokens, positions, slots, out_rows, ())[0]
+
+    def forward_features(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        out_rows: torch.Tensor | None,
+        layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_tokens, and from the same pass the hidden states of those rows entering each of `layers` (0: the
+        embeddings, num_layers: the last layer's output before the final norm; Hugging Face's hidden_states[l] but
+        for that last one, which transformers gives after the norm): (logits, features of
+        shape (rows, len(layers), hidden)). The logits are the bits forward_tokens gives (the features are read,
+        never fed back) — what a learned draft head reads from the verifying pass."""
+        bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
+        if bad or not layers:
+            raise SpecwiseError(
+                f"feature layers {list(layers)} are not allowed: give one or more of 0..{self.num_layers} "
+                f"(0: the embeddings, {self.num_layers}: the last layer's output)"
+            )
+        logits, features = self._forward(cache, tokens, positions, slots, out_rows, tuple(layers))
+        assert features is not None
+        return logits, features
+
+    def _forward(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        out_rows: torch.Tensor | None,
+        layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         M = int(tokens.shape[0])
         if tokens.dim() != 1 or positions.shape != (M,) or slots.shape != (M,):
             raise SpecwiseError(
@@ -426,6 +461,8 @@ class NativeDecoder:
         if cache.k.dtype != self.kv_dtype or cache.k.shape[0] != self.num_layers:
             raise SpecwiseError("this cache was made for another model or precision")
         logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
+        feat_layers = torch.tensor(layers, dtype=torch.int32)
+        features = torch.empty(int(rows.shape[0]), len(layers), self.cfg.hidden_size) if layers else None
         threads = torch.get_num_threads()
         sw_cache = K.SwCache(
             cache.k.data_ptr(),
@@ -439,7 +476,7 @@ class NativeDecoder:
             need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.capacity, threads)
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need)
-            rc = self.lib.sw_forward(
+            rc = self.lib.sw_forward_features(
                 ctypes.byref(self._model),
                 ctypes.byref(sw_cache),
                 M,
@@ -449,6 +486,9 @@ class NativeDecoder:
                 int(rows.shape[0]),
                 rows.data_ptr(),
                 logits.data_ptr(),
+                len(layers),
+                feat_layers.data_ptr() if layers else None,
+                features.data_ptr() if features is not None else None,
                 self._scratch.data_ptr(),
                 threads,
             )
@@ -460,9 +500,10 @@ class NativeDecoder:
                 -4: "an output row outside the pass",
                 -5: "a cache whose capacity is not a whole number of 16-position blocks",
                 -6: "weights whose shapes do not match the model's sizes",
+                -7: "a feature layer outside the model's layers",
             }[rc]
             raise SpecwiseError(f"forward pass refused: {what}")
-        return logits
+        return logits, features
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
