@@ -56,11 +56,13 @@ def test_its_identity_names_the_gguf_it_derives_from_and_is_not_the_gguf(exporte
     assert seen["source_sha256"] == manifest["source_sha256"] == gguf.source_sha256
     assert seen["sha256"] == manifest["sha256"] != gguf.sha256 and seen["precision"] == "bfloat16"
     served, engine = Target.read({"name": "smol", **seen}), Target.read(gguf.to_dict())
-    why = served.same_weights_as(engine)
-    assert why and "derive from the same source" in why and "bfloat16 derived from its source" in why
+    why = served.difference(engine)
+    assert why and why.startswith("form differs: both derive from the same source") and "bfloat16 derived" in why
     as_stored = Target.read(local_weights(str(embedded.source)))  # what llama.cpp loading the GGUF is named
-    assert as_stored.sha256 == gguf.source_sha256 and as_stored.same_weights_as(as_stored) is None
-    assert "derive from the same source" in str(as_stored.same_weights_as(served))
+    assert as_stored.sha256 == gguf.source_sha256 and as_stored.difference(as_stored) is None
+    assert str(as_stored.difference(served)).startswith("form differs")
+    other = Target.read({**seen, "sha256": "0" * 64})  # the same form with other weights: another revision
+    assert str(other.difference(served)).startswith("revision differs")
 
 
 def test_bad_exports_are_refused_and_write_nothing(exported, tmp_path):

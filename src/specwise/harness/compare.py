@@ -6,6 +6,7 @@ not a like-for-like result: it is printed, but flagged, and the command exits 1.
 
 from __future__ import annotations
 
+from specwise.harness.facts import describe
 from specwise.harness.results import Run
 
 
@@ -13,17 +14,14 @@ def _flags(a: Run, b: Run) -> list[str]:
     pa, pb = a.provenance, b.provenance
     flags = []
     ta, tb = pa.served_target, pb.served_target
-    if why := ta.same_weights_as(tb):
-        flags.append(f"target differs: {why}")
-    elif ta.sha256 != tb.sha256:
+    if why := ta.difference(tb):
+        flags.append(f"target {why}")
+    elif ta.sha256 != tb.sha256:  # one of them unnamed
         flags.append(f"target revision differs: {ta.name} {str(ta.sha256)[:12]} vs {tb.name} {str(tb.sha256)[:12]}")
-    servers_a = {str(f.server) for f in pa.facts.values() if f.server}
-    servers_b = {str(f.server) for f in pb.facts.values() if f.server}
+    servers_a = {describe(f.server) for f in pa.facts.values() if f.server} or {"the in-process engine"}
+    servers_b = {describe(f.server) for f in pb.facts.values() if f.server} or {"the in-process engine"}
     if servers_a != servers_b:
-        flags.append(
-            f"server differs: {'; '.join(sorted(servers_a)) or 'in-process engine'} vs "
-            f"{'; '.join(sorted(servers_b)) or 'in-process engine'}"
-        )
+        flags.append(f"server differs: {'; '.join(sorted(servers_a))} vs {'; '.join(sorted(servers_b))}")
     for name in sorted(set(pa.configs) & set(pb.configs)):
         da, db = pa.configs[name].draft_identity, pb.configs[name].draft_identity
         if da != db:

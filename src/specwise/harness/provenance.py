@@ -43,17 +43,18 @@ class Target:
         """The hash of the weights at the root of this target: the source of an export, else its own."""
         return self.source_sha256 or self.sha256
 
-    def same_weights_as(self, other: Target) -> str | None:
-        """Why this target and `other` are not the same weights (None when they are, or when either is unnamed)."""
+    def difference(self, other: Target) -> str | None:
+        """How this target and `other` are not the same weights (None when they are, or when either is unnamed):
+        `form differs: …` for two forms of one source (an export, other activations), `revision differs: …` else."""
         if not self.sha256 or not other.sha256 or self.sha256 == other.sha256:
             return None
-        if self.origin() == other.origin():
+        if self.origin() == other.origin() and self.precision != other.precision:
             return (
-                f"both derive from the same source ({str(self.origin())[:12]}…) in other forms — "
+                f"form differs: both derive from the same source ({str(self.origin())[:12]}…) in other forms — "
                 f"{self.describe()} vs {other.describe()}: not the same numbers, so outputs and speed differ by more "
                 "than the engines"
             )
-        return f"different weights: {self.describe()} vs {other.describe()}"
+        return f"revision differs: {self.describe()} vs {other.describe()}"
 
     def describe(self) -> str:
         form = f"{self.precision} " if self.precision else ""
