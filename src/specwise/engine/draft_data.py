@@ -1,0 +1,100 @@
+"""What a draft head learns from: the target answering prompts itself, and, for every position of prompt + answer,
+the target's hidden states at the feature layers and its next-token distribution (issue 23, item 3's first step).
+
+The answer is the target's own greedy output (plain decoding on the engine), so the head learns what this target
+says, not what a dataset says. Features and distributions come from one `forward_features` pass over the finished
+sequence (training data: a pass more per prompt, at prefill speed), the distribution kept as its `top` most
+likely tokens with their log-probabilities — what a KL loss over a reduced draft vocabulary needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.engine.engine import Engine
+from specwise.engine.native import NativeDecoder
+from specwise.engine.sampling import SamplingParams
+from specwise.engine.weights import LoadedModel
+from specwise.errors import SpecwiseError
+
+TOP = 64  # target tokens kept per position (their log-probabilities; the rest of the mass is 1 − their sum)
+CHUNK = 256  # positions per collection pass (bounds the logits held at once: CHUNK × vocab floats)
+
+
+def eagle_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high feature layers as EAGLE-3 takes them (2, L/2, L−3), as hidden_states indices."""
+    if num_layers < 4:
+        raise SpecwiseError(f"a draft head needs a target of at least 4 layers (this one has {num_layers})")
+    return 2, num_layers // 2, num_layers - 3
+
+
+@dataclass
+class Example:
+    """One prompt answered by the target: tokens = prompt + answer; for each position p < len(tokens) − 1, the
+    hidden states entering the feature layers at p (float16), and the target's distribution of token p + 1 as its
+    `TOP` likeliest ids with their log-probabilities."""
+
+    tokens: list[int]
+    prompt_len: int
+    features: torch.Tensor  # (len(tokens) − 1, layers, hidden), float16
+    top_ids: torch.Tensor  # (len(tokens) − 1, TOP), int32
+    top_logprobs: torch.Tensor  # (len(tokens) − 1, TOP), float16
+
+    @property
+    def answer_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def collect(
+    target: LoadedModel,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int = 128,
+    layers: tuple[int, ...] | None = None,
+    top: int = TOP,
+) -> list[Example]:
+    """Answer each prompt (token ids, chat template applied) with the target, greedily, and read its features and
+    distributions over prompt + answer."""
+    model = target.model
+    if not isinstance(model, NativeDecoder):
+        raise SpecwiseError("collecting a draft head's training data needs a Llama-family model on the CPU kernels")
+    layers = layers or eagle_layers(model.num_layers)
+    if not prompt_ids or any(not ids for ids in prompt_ids):
+        raise SpecwiseError("no prompts to answer: give at least one non-empty prompt")
+    longest = max(len(ids) for ids in prompt_ids) + max_new_tokens
+    engine = Engine(target, drafter=None, max_batch=min(4, len(prompt_ids)), max_len=longest + 1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    order = [engine.enqueue(engine.prepare("", greedy, tokens=ids)) for ids in prompt_ids]  # ids as given
+    answers: dict[str, list[int]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            if event.result is not None:
+                answers[event.request_id] = event.result.token_ids
+        if engine.faults:
+            raise engine.faults[0][1]
+    top = min(top, model.cfg.vocab_size)
+    return [_read(model, ids + answers[rid], len(ids), layers, top) for ids, rid in zip(prompt_ids, order, strict=True)]
+
+
+def _read(model: NativeDecoder, tokens: list[int], prompt_len: int, layers: tuple[int, ...], top: int) -> Example:
+    """One pass (in chunks) over the sequence: features and top-`top` log-probabilities at every position."""
+    n = len(tokens) - 1
+    cache = model.new_cache(1, len(tokens) + 16)
+    feats, ids, logps = [], [], []
+    for start in range(0, n, CHUNK):
+        end = min(n, start + CHUNK)
+        logits, f = model.forward_features(
+            cache,
+            torch.tensor(tokens[start:end]),
+            torch.arange(start, end),
+            torch.zeros(end - start, dtype=torch.int32),
+            None,
+            layers,
+        )
+        lp = torch.log_softmax(logits, dim=-1)
+        values, index = lp.topk(top, dim=-1)
+        feats.append(f.to(torch.float16))
+        ids.append(index.to(torch.int32))
+        logps.append(values.to(torch.float16))
+    return Example(tokens, prompt_len, torch.cat(feats), torch.cat(ids), torch.cat(logps))
