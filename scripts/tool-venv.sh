@@ -14,7 +14,7 @@ tool_venv() {
   fi
   rm -rf "$venv"
   local log
-  log=$(mktemp "${TMPDIR:-/tmp}/$label-install.XXXXXX")
+  log=$(mktemp "${TMPDIR:-/tmp}/$(basename "$venv")-install.XXXXXX")
   echo "installing $label once into $venv (log: $log)" >&2
   if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch==2.13.0 && install_into "$venv"; } >"$log" 2>&1
   then
