@@ -4,8 +4,8 @@ n-gram one), run one after another, then one table: decode tokens/s plain and n-
 server's own counters), E2E speedup at each load and each engine's verdict.
 
 The target is the embedded SmolLM2-135M-Instruct: specwise and llama.cpp run its GGUF (Q4_1), vLLM the bf16
-`specwise export-hf` of it (vLLM's CPU build does not load this GGUF) — the table says so, as the harness does: the
-engines' speeds are not a comparison on one set of numbers.
+`specwise export-hf` of it (vLLM's CPU build 0.32.0 did not load this GGUF: it reads it as a JSON config) — the
+table says so, as the harness does: the engines' speeds are not a comparison on one set of numbers.
 
     python benchmarks/engines.py [--tasks 12] [--max-tokens 64] [--concurrency 1,4] [--only vllm,specwise,llamacpp]
 """
