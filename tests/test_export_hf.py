@@ -11,6 +11,7 @@ import torch
 from test_evaluate import cli
 
 from specwise.engine import load_target
+from specwise.engine.weights import embedded_model_path as embedded_gguf
 from specwise.harness.provenance import Target
 from specwise.identity import EXPORT_MANIFEST, local_weights
 
@@ -73,5 +74,9 @@ def test_bad_exports_are_refused_and_write_nothing(exported, tmp_path):
     assert proc.returncode == 2 and "reads a .gguf file" in proc.stderr
     proc = cli("export-hf", tmp_path / "b", "--dtype", "float16", check=False)
     assert proc.returncode == 2 and "choose bfloat16 or float32" in proc.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(embedded_gguf().read_bytes()[:3_000_000])
+    proc = cli("export-hf", tmp_path / "c", "--model", truncated, check=False)
+    assert proc.returncode == 2 and "not a readable GGUF file" in proc.stderr
+    assert not any((tmp_path / n).exists() for n in "abc")
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no half-written directory left
