@@ -60,3 +60,29 @@ def test_nothing_to_answer_is_refused(embedded):
         D.collect(embedded, [[1, 2], []])
     with pytest.raises(SpecwiseError, match="at least 4 layers"):
         D.eagle_layers(3)
+
+
+def example(tokens: list[int], prompt_len: int, top: list[list[int]]) -> D.Example:
+    n = len(tokens) - 1
+    return D.Example(
+        tokens,
+        prompt_len,
+        torch.zeros(n, 3, 4, dtype=torch.float16),
+        torch.tensor(top, dtype=torch.int32),
+        torch.zeros(n, len(top[0]), dtype=torch.float16),
+    )
+
+
+def test_the_draft_vocabulary_is_what_the_target_wrote_most_then_what_it_found_likely():
+    # answers: 7 7 7 5 5 9 (prompt tokens 1, 2 never count); likely lists favour 3, then 4
+    a = example([1, 2, 7, 7, 7, 5], 2, [[3, 4], [3, 4], [3, 7], [3, 5], [4, 0]])
+    b = example([1, 5, 9], 1, [[3, 9], [4, 3]])
+    ids, coverage = D.draft_vocabulary([a, b], 2)
+    assert ids.tolist() == [5, 7] and coverage == pytest.approx(5 / 6)  # 7×3, 5×2 of 6 answer tokens
+    ids, coverage = D.draft_vocabulary([a, b], 5)
+    assert ids.tolist() == [3, 4, 5, 7, 9] and coverage == 1.0  # then 3 and 4, the likeliest never written
+    assert D.draft_vocabulary([a, b], 100)[0].tolist() == list(range(10))  # at most the vocabulary seen
+    with pytest.raises(SpecwiseError, match="at least 1"):
+        D.draft_vocabulary([a], 0)
+    with pytest.raises(SpecwiseError, match="no examples"):
+        D.draft_vocabulary([], 8)

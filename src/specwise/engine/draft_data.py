@@ -98,3 +98,35 @@ def _read(model: NativeDecoder, tokens: list[int], prompt_len: int, layers: tupl
         ids.append(index.to(torch.int32))
         logps.append(values.to(torch.float16))
     return Example(tokens, prompt_len, torch.cat(feats), torch.cat(ids), torch.cat(logps))
+
+
+def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, float]:
+    """A draft head's reduced vocabulary: the `size` target tokens the target wrote most often in its answers
+    (then those most often among its likeliest next tokens, then the lowest ids, to fill), as ascending target ids
+    (draft id i is target id ids[i]); and the share of the answers' tokens it covers — a token outside it can never
+    be drafted, only verified."""
+    if size < 1:
+        raise SpecwiseError(f"a draft vocabulary of {size} tokens is not allowed: give at least 1")
+    if not examples:
+        raise SpecwiseError("no examples to choose a draft vocabulary from")
+    vocab = int(max(int(ex.top_ids.max()) for ex in examples)) + 1
+    written = torch.zeros(vocab, dtype=torch.float64)
+    likely = torch.zeros(vocab, dtype=torch.float64)
+    for ex in examples:
+        answer = torch.tensor(ex.tokens[ex.prompt_len :], dtype=torch.int64)
+        written = _grow(written, int(answer.max()) + 1 if answer.numel() else 0)
+        written.index_add_(0, answer, torch.ones(answer.numel(), dtype=torch.float64))
+        likely.index_add_(0, ex.top_ids.flatten().to(torch.int64), torch.ones(ex.top_ids.numel(), dtype=torch.float64))
+    likely = _grow(likely, written.numel())
+    written = _grow(written, likely.numel())
+    size = min(size, written.numel())
+    order = torch.arange(written.numel())  # by id; then (stable sorts) by likely, then by written: lexicographic
+    order = order[torch.argsort(-likely[order], stable=True)]
+    order = order[torch.argsort(-written[order], stable=True)]
+    chosen = torch.sort(order[:size]).values
+    total = float(written.sum())
+    return chosen, (float(written[chosen].sum()) / total if total else 1.0)
+
+
+def _grow(counts: torch.Tensor, n: int) -> torch.Tensor:
+    return counts if counts.numel() >= n else torch.cat([counts, torch.zeros(n - counts.numel(), dtype=counts.dtype)])
