@@ -65,7 +65,7 @@ def test_a_k_placeholder_sweeps_launched_servers_and_each_config_knows_its_k():
 
 
 def test_serve_drafter_none_is_plain_decoding_as_its_help_says(tiny_dir):
-    """`--drafter none` names the default (its help says none); it was refused as an unknown drafter."""
+    """`--drafter none` names the default (serve's and generate's help say none); it was refused as unknown."""
     import httpx
     from test_server import serve_process
 
@@ -74,3 +74,7 @@ def test_serve_drafter_none_is_plain_decoding_as_its_help_says(tiny_dir):
     assert r.status_code == 200, r.text
     spec = r.json()["usage"]["speculative"]
     assert spec["drafter"] is None and spec["drafted_tokens"] == 0
+    from test_evaluate import cli
+
+    shown = cli("generate", "--model", tiny_dir, "--drafter", "none", "--max-new-tokens", "4", "ab", timeout=120)
+    assert shown.returncode == 0  # generate's help says none too; both read the flag through cli.common.drafter_arg

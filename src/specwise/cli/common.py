@@ -25,6 +25,11 @@ def precision_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="auto", choices=ACTIVATIONS, help=ACTIVATIONS_HELP)
 
 
+def drafter_arg(value: str) -> str | None:
+    """A --drafter flag's value: `none` (what the help calls the default) is no drafter."""
+    return None if value == "none" else value
+
+
 def k_arg(value: str) -> int | str:
     try:
         return parse_k(value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwise.cli.common import k_arg, precision_flags
+from specwise.cli.common import drafter_arg, k_arg, precision_flags
 from specwise.specs import (
     DEFAULT_MAX_LEN,
     DEFAULT_MAX_QUEUE,
@@ -22,7 +22,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
     p.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
-    p.add_argument("--drafter", help=f"default drafter: {DRAFTER_HELP}, or none (the default: plain decoding)")
+    p.add_argument(
+        "--drafter", type=drafter_arg, help=f"default drafter: {DRAFTER_HELP}, or none (the default: plain decoding)"
+    )
     p.add_argument("--drafters", help="more drafters requests may choose, comma-separated (e.g. int8,ngram:2)")
     p.add_argument("--k", type=k_arg, default="auto", help=f"default draft length 1..{K_MAX} or 'auto' (default auto)")
     p.add_argument(

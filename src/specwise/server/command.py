@@ -54,8 +54,6 @@ def api_keys(given: list[str] | None) -> tuple[str, ...]:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
-    if args.drafter == "none":  # the default said aloud: no default drafter
-        args.drafter = None
     if not 0 <= args.port <= 65535:
         raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
     if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
