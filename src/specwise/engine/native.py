@@ -461,8 +461,10 @@ class NativeDecoder:
         if cache.k.dtype != self.kv_dtype or cache.k.shape[0] != self.num_layers:
             raise SpecwiseError("this cache was made for another model or precision")
         logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
-        feat_layers = torch.tensor(layers, dtype=torch.int32)
-        features = torch.empty(int(rows.shape[0]), len(layers), self.cfg.hidden_size) if layers else None
+        feat_layers, features = None, None  # a plain pass (every step) allocates nothing for features
+        if layers:
+            feat_layers = torch.tensor(layers, dtype=torch.int32)
+            features = torch.empty(int(rows.shape[0]), len(layers), self.cfg.hidden_size)
         threads = torch.get_num_threads()
         sw_cache = K.SwCache(
             cache.k.data_ptr(),
@@ -487,8 +489,8 @@ class NativeDecoder:
                 rows.data_ptr(),
                 logits.data_ptr(),
                 len(layers),
-                feat_layers.data_ptr() if layers else None,
-                features.data_ptr() if features is not None else None,
+                None if feat_layers is None else feat_layers.data_ptr(),
+                None if features is None else features.data_ptr(),
                 self._scratch.data_ptr(),
                 threads,
             )

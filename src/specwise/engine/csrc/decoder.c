@@ -1007,8 +1007,8 @@ static void keep_rows(const float* x, int C, int n_out, const int32_t* out_rows,
 
 /* sw_forward, and beside the logits the hidden states of the same rows at layers feat_layers[0..n_feat): the
  * residual stream entering layer l (l = 0: the embeddings; l = n_layers: the last layer's output, before the final
- * norm — Hugging Face's hidden_states[l], whose last entry is after that norm) into features [n_out][n_feat][hidden]. They are read, never written back:
- * the pass computes the same bits with or without them. */
+ * norm — Hugging Face's hidden_states[l], whose last entry is after that norm) into features
+ * [n_out][n_feat][hidden]. They are read, never written back: the pass computes the same bits with or without them. */
 int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                         const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, int n_feat,
                         const int32_t* feat_layers, float* features, float* scratch, int nthreads) {
