@@ -19,6 +19,8 @@ from specwise.harness.load import Load
 from specwise.harness.server_reports import CounterDelta
 from specwise.harness.store import Record
 
+WARM_UP = ("Hello, world. Hello", 8)  # (prompt, tokens) every backend sends before measuring
+
 
 @dataclass(frozen=True)
 class Request:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Phase, Request, dispatch
+from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
 from specwise.harness.config import Config
 from specwise.harness.facts import hardware
 from specwise.harness.load import Load
@@ -84,7 +84,7 @@ class EngineBackend:
         from specwise.engine import SamplingParams
 
         for e in self.engines.values():
-            e.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))
+            e.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
 
     def run(
         self,

@@ -31,11 +31,16 @@ import httpx
 
 from specwise.errors import SpecwiseError
 from specwise.harness import commands
-from specwise.harness.backends import Phase, Request, dispatch
+from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
 from specwise.harness.config import Config, redact
 from specwise.harness.facts import check_comparable, hardware
 from specwise.harness.load import Load
-from specwise.harness.server_reports import counter_delta, parse_spec_counters, spec_from_payload
+from specwise.harness.server_reports import (
+    counter_delta,
+    own_speculative,
+    parse_spec_counters,
+    spec_from_payload,
+)
 from specwise.harness.store import Record
 from specwise.identity import local_weights
 
@@ -267,7 +272,7 @@ class HTTPBackend:
                 self._warm(name)
 
     def _warm(self, name: str) -> None:
-        req = Request("warm-up", [], 0, 0, "Hello, world. Hello", 8)
+        req = Request("warm-up", [], 0, 0, *WARM_UP)
         self._one(name, req, time.perf_counter())
 
     def run(
@@ -382,7 +387,7 @@ class HTTPBackend:
                     usage = obj.get("usage") or usage
                     if _final(obj):  # only a closing chunk carries statistics: keep text chunks cheap
                         spec = spec_from_payload(obj) or spec  # whichever server's form it reports (server_reports)
-                        own = obj.get("speculative") or (obj.get("usage") or {}).get("speculative") or {}
+                        own = own_speculative(obj)
                         prefill = own.get("prefill_time", prefill)  # specwise's own timing, when it is the server
                         verify = own.get("verify", verify)  # specwise: how sampled drafts were verified
                     choices = obj.get("choices") or []

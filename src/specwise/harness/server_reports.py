@@ -119,11 +119,17 @@ def counts_from_counters(deltas: list[CounterDelta]) -> SpecCounts:
     )
 
 
-def spec_from_payload(obj: dict) -> SpecCounts | None:
-    """One request's speculation as a server reported it in a response or stream chunk; None if it reported none."""
+def own_speculative(obj: dict) -> dict:
+    """specwise serve's `speculative` object of a response or chunk (top level or in `usage`); {} from others."""
     usage = obj.get("usage")
     own = obj.get("speculative") or (usage.get("speculative") if isinstance(usage, dict) else None)
-    if isinstance(own, dict):
+    return own if isinstance(own, dict) else {}
+
+
+def spec_from_payload(obj: dict) -> SpecCounts | None:
+    """One request's speculation as a server reported it in a response or stream chunk; None if it reported none."""
+    own = own_speculative(obj)
+    if own:
         return SpecCounts.from_usage(own)
     vllm = (obj.get("metrics") or {}).get("speculative_decoding") if isinstance(obj.get("metrics"), dict) else None
     if isinstance(vllm, dict):
