@@ -109,17 +109,14 @@ def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, 
         raise SpecwiseError(f"a draft vocabulary of {size} tokens is not allowed: give at least 1")
     if not examples:
         raise SpecwiseError("no examples to choose a draft vocabulary from")
-    vocab = int(max(int(ex.top_ids.max()) for ex in examples)) + 1
-    written = torch.zeros(vocab, dtype=torch.float64)
-    likely = torch.zeros(vocab, dtype=torch.float64)
-    for ex in examples:
-        answer = torch.tensor(ex.tokens[ex.prompt_len :], dtype=torch.int64)
-        written = _grow(written, int(answer.max()) + 1 if answer.numel() else 0)
+    answers = [torch.tensor(ex.tokens[ex.prompt_len :], dtype=torch.int64) for ex in examples]
+    seen = 1 + max(max(int(ex.top_ids.max()), max(ex.tokens)) for ex in examples)  # every id counted below
+    written = torch.zeros(seen, dtype=torch.float64)
+    likely = torch.zeros(seen, dtype=torch.float64)
+    for ex, answer in zip(examples, answers, strict=True):
         written.index_add_(0, answer, torch.ones(answer.numel(), dtype=torch.float64))
         likely.index_add_(0, ex.top_ids.flatten().to(torch.int64), torch.ones(ex.top_ids.numel(), dtype=torch.float64))
-    likely = _grow(likely, written.numel())
-    written = _grow(written, likely.numel())
-    size = min(size, written.numel())
+    size = min(size, seen)
     order = torch.arange(written.numel())  # by id; then (stable sorts) by likely, then by written: lexicographic
     order = order[torch.argsort(-likely[order], stable=True)]
     order = order[torch.argsort(-written[order], stable=True)]
@@ -127,6 +124,3 @@ def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, 
     total = float(written.sum())
     return chosen, (float(written[chosen].sum()) / total if total else 1.0)
 
-
-def _grow(counts: torch.Tensor, n: int) -> torch.Tensor:
-    return counts if counts.numel() >= n else torch.cat([counts, torch.zeros(n - counts.numel(), dtype=counts.dtype)])
