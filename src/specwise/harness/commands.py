@@ -49,7 +49,7 @@ def speculation(cmd: str) -> tuple[str | None, int | str]:
     """(drafter, k) the command's server speculates with, in specwise's vocabulary; (None, "auto") when it turns
     none on or this reader does not know its flags. A k sweep over launched servers is read from these."""
     _, argv = split(cmd)
-    spec = vllm_speculative_config(cmd)
+    spec = _vllm_spec(argv)
     if spec is not None:  # vLLM
         k = spec.get("num_speculative_tokens")
         k = k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else "auto"
@@ -72,7 +72,10 @@ def speculation(cmd: str) -> tuple[str | None, int | str]:
 
 def vllm_speculative_config(cmd: str) -> dict | None:
     """The JSON object of a vLLM command's `--speculative-config`; None when it has none."""
-    _, argv = split(cmd)
+    return _vllm_spec(split(cmd)[1])
+
+
+def _vllm_spec(argv: list[str]) -> dict | None:
     raw = _flag(argv, "--speculative-config", "--speculative_config", "-sc")
     if raw is None:
         return None
