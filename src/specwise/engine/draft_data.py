@@ -123,4 +123,3 @@ def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, 
     chosen = torch.sort(order[:size]).values
     total = float(written.sum())
     return chosen, (float(written[chosen].sum()) / total if total else 1.0)
-
