@@ -42,6 +42,21 @@ def test_features_change_no_bit_of_the_pass(embedded):
     assert not torch.equal(feats[:, 0], feats[:, 1])  # three different layers, not one copied
 
 
+def test_feature_rows_are_a_set_of_their_own(embedded):
+    """A prompt's rows need features and no logits: features of any rows, logits of others, the same bits."""
+    model = embedded.model
+    ids, pos, slots = pass_inputs(embedded.tokenizer)
+    every = torch.arange(len(ids))
+    _, all_feats, _ = run(model, ids, pos, slots, every, LAYERS)
+    last = torch.tensor([len(ids) - 1])
+    cache = model.new_cache(1, 128)
+    logits, feats = model.forward_features(cache, ids, pos, slots, last, LAYERS, feature_rows=every[2:])
+    assert logits.shape[0] == 1 and torch.equal(logits, run(model, ids, pos, slots, last)[0])
+    assert torch.equal(feats, all_feats[2:])
+    with pytest.raises(SpecwiseError, match="feature row outside the pass"):
+        model.forward_features(cache, ids, pos, slots, last, LAYERS, feature_rows=torch.tensor([len(ids)]))
+
+
 def test_features_are_the_hidden_states_transformers_computes(embedded):
     from transformers import AutoModelForCausalLM
 

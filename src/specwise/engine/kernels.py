@@ -31,7 +31,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 4
+ABI = 5
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -293,7 +293,7 @@ def library(variant: str | None = None) -> ctypes.CDLL:
             ctypes.POINTER(SwModel),
             ctypes.POINTER(SwCache),
             *(_I, _P, _P, _P, _I, _P, _P),
-            *(_I, _P, _P, _P, _I),
+            *(_I, _P, _I, _P, _P, _P, _I),
         ]
         lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
         lib.sw_stream.restype = ctypes.c_uint64

@@ -423,19 +423,20 @@ class NativeDecoder:
         slots: torch.Tensor,
         out_rows: torch.Tensor | None,
         layers: tuple[int, ...],
+        feature_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_tokens, and from the same pass the hidden states of those rows entering each of `layers` (0: the
-        embeddings, num_layers: the last layer's output before the final norm; Hugging Face's hidden_states[l] but
-        for that last one, which transformers gives after the norm): (logits, features of
-        shape (rows, len(layers), hidden)). The logits are the bits forward_tokens gives (the features are read,
-        never fed back) — what a learned draft head reads from the verifying pass."""
+        """forward_tokens, and from the same pass the hidden states of `feature_rows` (default: out_rows) entering
+        each of `layers` (0: the embeddings, num_layers: the last layer's output before the final norm; Hugging
+        Face's hidden_states[l] but for that last one, which transformers gives after the norm): (logits, features of
+        shape (feature rows, len(layers), hidden)). The logits are the bits forward_tokens gives (the features are
+        read, never fed back) — what a learned draft head reads from the verifying pass."""
         bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
         if bad or not layers:
             raise SpecwiseError(
                 f"feature layers {list(layers)} are not allowed: give one or more of 0..{self.num_layers} "
                 f"(0: the embeddings, {self.num_layers}: the last layer's output)"
             )
-        logits, features = self._forward(cache, tokens, positions, slots, out_rows, tuple(layers))
+        logits, features = self._forward(cache, tokens, positions, slots, out_rows, tuple(layers), feature_rows)
         assert features is not None
         return logits, features
 
@@ -447,6 +448,7 @@ class NativeDecoder:
         slots: torch.Tensor,
         out_rows: torch.Tensor | None,
         layers: tuple[int, ...],
+        feature_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         M = int(tokens.shape[0])
         if tokens.dim() != 1 or positions.shape != (M,) or slots.shape != (M,):
@@ -462,9 +464,10 @@ class NativeDecoder:
             raise SpecwiseError("this cache was made for another model or precision")
         logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
         feat_layers, features = None, None  # a plain pass (every step) allocates nothing for features
+        frows = rows if feature_rows is None else feature_rows.to(torch.int32).contiguous()
         if layers:
             feat_layers = torch.tensor(layers, dtype=torch.int32)
-            features = torch.empty(int(rows.shape[0]), len(layers), self.cfg.hidden_size)
+            features = torch.empty(int(frows.shape[0]), len(layers), self.cfg.hidden_size)
         threads = torch.get_num_threads()
         sw_cache = K.SwCache(
             cache.k.data_ptr(),
@@ -490,6 +493,8 @@ class NativeDecoder:
                 logits.data_ptr(),
                 len(layers),
                 None if feat_layers is None else feat_layers.data_ptr(),
+                int(frows.shape[0]) if layers else 0,
+                frows.data_ptr() if layers else None,
                 None if features is None else features.data_ptr(),
                 self._scratch.data_ptr(),
                 threads,
@@ -499,7 +504,7 @@ class NativeDecoder:
                 -1: "a position outside the cache or the model's context",
                 -2: "a slot outside the cache",
                 -3: "a token id outside the vocabulary",
-                -4: "an output row outside the pass",
+                -4: "an output or feature row outside the pass",
                 -5: "a cache whose capacity is not a whole number of 16-position blocks",
                 -6: "weights whose shapes do not match the model's sizes",
                 -7: "a feature layer outside the model's layers",

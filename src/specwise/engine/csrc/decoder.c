@@ -995,23 +995,25 @@ long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads) {
  * rows out_rows[0..n_out) into logits (n_out × vocab). */
 int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, float* scratch, int nthreads) {
-  return sw_forward_features(m, cache, M, tokens, pos, slot, n_out, out_rows, logits, 0, NULL, NULL, scratch,
+  return sw_forward_features(m, cache, M, tokens, pos, slot, n_out, out_rows, logits, 0, NULL, 0, NULL, NULL, scratch,
                              nthreads);
 }
 
-/* Copy rows out_rows of x (M × C), the residual stream, into features [n_out][n_feat][C] at feature f. */
-static void keep_rows(const float* x, int C, int n_out, const int32_t* out_rows, int f, int n_feat, float* features) {
-  for (int r = 0; r < n_out; r++)
-    memcpy(features + ((size_t)r * n_feat + f) * C, x + (size_t)out_rows[r] * C, (size_t)C * sizeof(float));
+/* Copy rows rows[0..n) of x (M × C), the residual stream, into features [n][n_feat][C] at feature f. */
+static void keep_rows(const float* x, int C, int n, const int32_t* rows, int f, int n_feat, float* features) {
+  for (int r = 0; r < n; r++)
+    memcpy(features + ((size_t)r * n_feat + f) * C, x + (size_t)rows[r] * C, (size_t)C * sizeof(float));
 }
 
-/* sw_forward, and beside the logits the hidden states of the same rows at layers feat_layers[0..n_feat): the
- * residual stream entering layer l (l = 0: the embeddings; l = n_layers: the last layer's output, before the final
- * norm — Hugging Face's hidden_states[l], whose last entry is after that norm) into features
- * [n_out][n_feat][hidden]. They are read, never written back: the pass computes the same bits with or without them. */
+/* sw_forward, and beside the logits the hidden states of rows feat_rows[0..n_frows) at layers
+ * feat_layers[0..n_feat): the residual stream entering layer l (l = 0: the embeddings; l = n_layers: the last layer's
+ * output, before the final norm — Hugging Face's hidden_states[l], whose last entry is after that norm) into
+ * features [n_frows][n_feat][hidden]. Feature rows are their own set (a prompt's rows need features, not logits).
+ * They are read, never written back: the pass computes the same bits with or without them. */
 int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                         const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, int n_feat,
-                        const int32_t* feat_layers, float* features, float* scratch, int nthreads) {
+                        const int32_t* feat_layers, int n_frows, const int32_t* feat_rows, float* features,
+                        float* scratch, int nthreads) {
   const int C = m->hidden, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, I = m->inter;
   const int QKV = (H + 2 * Hkv) * D, A = H * D;
   if (nthreads < 1) nthreads = 1;
@@ -1025,9 +1027,13 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   }
   for (int r = 0; r < n_out; r++)
     if (out_rows[r] < 0 || out_rows[r] >= M) return -4;
-  if (n_feat < 0 || (n_feat > 0 && (!feat_layers || !features))) return -7;
+  if (n_feat < 0 || n_frows < 0 || (n_feat > 0 && n_frows > 0 && (!feat_layers || !feat_rows || !features)))
+    return -7;
+  if (n_frows == 0) n_feat = 0;
   for (int f = 0; f < n_feat; f++)
     if (feat_layers[f] < 0 || feat_layers[f] > m->n_layers) return -7;
+  for (int r = 0; r < (n_feat > 0 ? n_frows : 0); r++)
+    if (feat_rows[r] < 0 || feat_rows[r] >= M) return -4;
   float* x = scratch;
   float* h = x + (size_t)M * C;
   float* qkv = h + (size_t)M * C;
@@ -1037,7 +1043,7 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   float* sc = act + (size_t)M * I; /* attention's or the linear layers' scratch, never both at once */
   sw_embed(m->embed, tokens, M, x, C);
   for (int f = 0; f < n_feat; f++)
-    if (feat_layers[f] == 0) keep_rows(x, C, n_out, out_rows, f, n_feat, features);
+    if (feat_layers[f] == 0) keep_rows(x, C, n_frows, feat_rows, f, n_feat, features);
   const size_t el = cache->bf16 ? 2 : 4;
   const int64_t head_stride = (int64_t)cache->capacity * D, slot_stride = head_stride * Hkv;
   const size_t layer_bytes = (size_t)slot_stride * cache->slots * el;
@@ -1055,7 +1061,7 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
     parallel(silu_unit, &sj, M, (long)M * I >= 8192 ? nthreads : 1); /* one row a unit */
     gemm(&L->down, act, M, I, x, C, 1, nthreads, sc);
     for (int f = 0; f < n_feat; f++)
-      if (feat_layers[f] == l + 1) keep_rows(x, C, n_out, out_rows, f, n_feat, features);
+      if (feat_layers[f] == l + 1) keep_rows(x, C, n_frows, feat_rows, f, n_feat, features);
   }
   if (n_out > 0) {
     float* sel = h; /* n_out ≤ M rows */

@@ -55,7 +55,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 4
+#define SW_ABI 5
 
 enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3 };
 
@@ -125,12 +125,14 @@ long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads);
  * out_rows[0..n_out) into logits (n_out × vocab). 0, or a negative code for an input it refuses. */
 int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, float* scratch, int nthreads);
-/* sw_forward, and the hidden states of the same rows entering layers feat_layers[0..n_feat) (0: the embeddings,
- * n_layers: the last layer's output before the final norm) into features (n_out × n_feat × hidden); -7 for a layer
- * outside 0..n_layers. Reading them changes nothing the pass computes. */
+/* sw_forward, and the hidden states of rows feat_rows[0..n_frows) (a set of their own) entering layers
+ * feat_layers[0..n_feat) (0: the embeddings, n_layers: the last layer's output before the final norm) into features
+ * (n_frows × n_feat × hidden); -7 for a layer outside 0..n_layers, -4 for a row outside the pass. Reading them
+ * changes nothing the pass computes. */
 int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                         const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, int n_feat,
-                        const int32_t* feat_layers, float* features, float* scratch, int nthreads);
+                        const int32_t* feat_layers, int n_frows, const int32_t* feat_rows, float* features,
+                        float* scratch, int nthreads);
 /* y (M×n) = x (M×k)·Wᵀ (+ bias), or y += that when accumulate. */
 int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads);
 void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum);
