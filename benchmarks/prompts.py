@@ -41,3 +41,88 @@ CHAT = [
     "What are some tips for sleeping better at night?",
     "Why do cats purr?",
 ]
+
+
+# Chat-like prompts to train a draft head on (benchmarks/draft_head.py): templates × subjects, none of them in CHAT
+# (the evaluation prompts), so a head is never measured on what it was trained on.
+_ASKS = [
+    "Explain {s} in simple terms.",
+    "What are the most common mistakes people make with {s}?",
+    "Give me three tips about {s}.",
+    "Write a short paragraph about {s}.",
+    "How would you describe {s} to a friend who has never heard of it?",
+    "What is the history of {s}, in a few sentences?",
+    "Why do people care about {s}?",
+    "Write a short poem about {s}.",
+    "What should a beginner know about {s}?",
+    "List the pros and cons of {s}.",
+    "Tell me a fun fact about {s}.",
+    "How can I get better at {s}?",
+    "Write a friendly email inviting a colleague to learn about {s}.",
+    "Summarize what you know about {s} in five bullet points.",
+    "What questions should I ask an expert on {s}?",
+    "Describe a typical day for someone who works with {s}.",
+]
+_SUBJECTS = [
+    "gardening",
+    "the water cycle",
+    "saving money",
+    "learning a new language",
+    "photosynthesis",
+    "running a marathon",
+    "baking bread",
+    "volcanoes",
+    "public speaking",
+    "the moon",
+    "recycling",
+    "chess",
+    "bees",
+    "time management",
+    "the internet",
+    "rainbows",
+    "camping",
+    "healthy breakfasts",
+    "ancient Egypt",
+    "electric cars",
+    "meditation",
+    "the ocean",
+    "painting with watercolors",
+    "dinosaurs",
+    "playing the guitar",
+    "climate",
+    "friendship",
+    "job interviews",
+    "the solar system",
+    "coffee",
+    "birds that migrate",
+    "writing a resume",
+    "yoga",
+    "earthquakes",
+    "museums",
+    "cooking pasta",
+    "libraries",
+    "the human heart",
+    "bicycles",
+    "board games",
+    "thunderstorms",
+    "owning a dog",
+    "mountains",
+    "recipes with rice",
+    "the printing press",
+    "trains",
+    "honey",
+    "sleep",
+]
+
+
+def chat_like(n: int, seed: int = 0) -> list[str]:
+    """n distinct chat-like prompts (a seeded sample of templates × subjects); never any of CHAT."""
+    import random
+
+    pairs = [(a, s) for a in _ASKS for s in _SUBJECTS]
+    random.Random(seed).shuffle(pairs)
+    if n > len(pairs):
+        raise ValueError(f"only {len(pairs)} chat-like prompts exist; asked for {n}")
+    out = [a.format(s=s) for a, s in pairs[:n]]
+    assert not set(out) & set(CHAT)
+    return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -186,6 +187,12 @@ def test_monitor_exit_codes(tmp_path):
     bad = monitor("--baseline", base, "--log", write_log(tmp_path / "bad.db", entries(alpha=(3, 7))))
     assert bad.returncode == 1 and "DRIFTED" in bad.stdout
     assert "acceptance rate" in bad.stdout and "drifted" in bad.stdout
+    assert "train-draft" not in ok.stdout
+    assert "serve with --log-text" in bad.stdout  # the hint says what this log lacks for training a head
+    texts = [dataclasses.replace(e, prompt=f"question {i}") for i, e in enumerate(entries(alpha=(3, 7)))]
+    logged = write_log(tmp_path / "text.db", texts)
+    hint = monitor("--baseline", base, "--log", logged)
+    assert hint.returncode == 1 and f"specwise train-draft --from {logged} --out" in hint.stdout, hint.stdout
     rev = monitor(
         "--baseline",
         base,

@@ -4,10 +4,14 @@ kept in one torch-free place so each rule is stated once.
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
 - drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES), ``--quantize`` (QUANTIZE) and ``--activations`` (ACTIVATIONS)
+- a draft head's training (`specwise train-draft`): TrainOptions
 - verification of sampled drafts: ``--verify`` (VERIFY_METHODS; the first is the default)
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 from specwise.errors import SpecwiseError
 
@@ -30,7 +34,8 @@ VERIFY_HELP = (
     "plain decoding's token for token, whatever the drafter or k) or rejection (classic speculative sampling)"
 )
 DRAFTER_HELP = (
-    "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH, int8, layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
+    "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH, eagle:PATH, int8, layerskip:SPEC (e.g. layerskip:12, "
+    "layerskip:0-29/2)"
 )
 
 
@@ -70,7 +75,7 @@ def check_drafter_spec(spec: object) -> str:
     ok = (
         (kind == "suffix" and (not sep or arg.isdigit()))
         or (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
-        or (kind == "model" and bool(arg.strip()))
+        or (kind in ("model", "eagle") and bool(arg.strip()))
         or (kind == "int8" and not sep)
         or (kind == "layerskip" and bool(arg.strip()))
     )
@@ -79,6 +84,7 @@ def check_drafter_spec(spec: object) -> str:
             "ngram": "ngram:N takes a whole number N ≥ 1",
             "suffix": "suffix:TOKENS takes the shared history's size in tokens, a whole number (0: no history)",
             "model": "model:PATH needs a path",
+            "eagle": "eagle:PATH needs the directory of a trained head (specwise train-draft --out)",
             "int8": "int8 takes no argument",
             "layerskip": "layerskip:SPEC needs a layer spec",
         }.get(kind)
@@ -96,3 +102,29 @@ def check_verify(method: object) -> str:
             param="verify",
         )
     return str(method)
+
+
+@dataclass
+class TrainOptions:
+    """How `specwise train-draft` trains a head (engine.draft_train); every default stated here once."""
+
+    epochs: int = 6
+    lr: float = 2e-3
+    steps: int = 3  # unrolled steps of the training-time test
+    k: int = 4  # draft length the held-out acceptance is measured at
+    batch_tokens: int = 2048  # padded positions per optimiser step
+    held_out: float = 0.1  # share of the examples kept for measuring
+    seed: int = 0
+
+    def check(self) -> None:
+        bad = [
+            (self.epochs >= 1, "epochs must be at least 1"),
+            (self.lr > 0 and math.isfinite(self.lr), "the learning rate must be a positive number"),
+            (1 <= self.steps <= 8, "unrolled steps must be 1..8"),
+            (1 <= self.k <= 16, "k must be 1..16"),
+            (self.batch_tokens >= 64, "batch tokens must be at least 64"),
+            (0 < self.held_out < 1, "the held-out share must be between 0 and 1"),
+        ]
+        for ok, what in bad:
+            if not ok:
+                raise SpecwiseError(f"training options refused: {what}")

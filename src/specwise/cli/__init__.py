@@ -7,10 +7,21 @@ import argparse
 import sys
 
 from specwise import __version__
-from specwise.cli import compare, evaluate, export, export_hf, generate, monitor, policy, report, serve
+from specwise.cli import (
+    compare,
+    evaluate,
+    export,
+    export_hf,
+    generate,
+    monitor,
+    policy,
+    report,
+    serve,
+    train_draft,
+)
 from specwise.errors import SpecwiseError
 
-SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, report, monitor, compare)
+SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, train_draft, report, monitor, compare)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,11 @@ likely tokens with their log-probabilities — what a KL loss over a reduced dra
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from specwise.engine.engine import Engine
 from specwise.engine.native import NativeDecoder
@@ -53,6 +55,7 @@ def collect(
     max_new_tokens: int = 128,
     layers: tuple[int, ...] | None = None,
     top: int = TOP,
+    progress: bool = False,
 ) -> list[Example]:
     """Answer each prompt (token ids, chat template applied) with the target, greedily, and read its features and
     distributions over prompt + answer."""
@@ -67,14 +70,21 @@ def collect(
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     order = [engine.enqueue(engine.prepare("", greedy, tokens=ids)) for ids in prompt_ids]  # ids as given
     answers: dict[str, list[int]] = {}
+    bar = tqdm(total=2 * len(order), desc="answering, reading", unit="step", file=sys.stderr, disable=not progress)
     while engine.has_work:
         for event in engine.step():
             if event.result is not None:
                 answers[event.request_id] = event.result.token_ids
+                bar.update(1)
         if engine.faults:
             raise engine.faults[0][1]
     top = min(top, model.cfg.vocab_size)
-    return [_read(model, ids + answers[rid], len(ids), layers, top) for ids, rid in zip(prompt_ids, order, strict=True)]
+    out = []
+    for ids, rid in zip(prompt_ids, order, strict=True):
+        out.append(_read(model, ids + answers[rid], len(ids), layers, top))
+        bar.update(1)
+    bar.close()
+    return out
 
 
 def _read(model: NativeDecoder, tokens: list[int], prompt_len: int, layers: tuple[int, ...], top: int) -> Example:

@@ -62,8 +62,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class EagleHead(nn.Module):
-    """The head in torch (fp32): `layer` is one decoder step given keys/values to attend to; `unrolled` is
-    EAGLE-3's training-time test, k chained steps over whole sequences at once."""
+    """The head in torch (fp32), for training and as the kernels' reference: `hidden_unrolled` is EAGLE-3's
+    training-time test, k chained drafting steps over whole sequences at once; `logits` its LM head."""
+
+    draft_ids: torch.Tensor
+    embed: torch.Tensor
+    inv_freq: torch.Tensor
+    feature_scale: torch.Tensor
 
     def __init__(self, spec: HeadSpec, draft_ids: torch.Tensor, embed: torch.Tensor):
         super().__init__()
@@ -89,17 +94,23 @@ class EagleHead(nn.Module):
         self.register_buffer("embed", embed.float(), persistent=False)  # the target's (frozen, shared)
         inv = rope_inv_freq(c).float()
         self.register_buffer("inv_freq", inv, persistent=False)
+        # Training multiplies each feature channel by this before fc (the target's residual stream has a few
+        # channels thousands of times larger than the rest); saving folds it into fc's columns, so the saved head
+        # is the plain architecture and reads raw features.
+        self.register_buffer("feature_scale", torch.ones(len(spec.layers) * H))
 
-    def init_from_target(self, final_norm: torch.Tensor, head_rows: torch.Tensor) -> None:
-        """Start the norm and LM head from the target's own (its output rows for the draft vocabulary), and the
-        rest small: an untrained head then speaks the target's output space."""
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features * self.feature_scale)
+
+    def init_small(self) -> None:
+        """Weights normal(0, 0.02) (the output projections of the residual branches scaled down), norms at one:
+        an untrained head starts near uniform over the draft vocabulary (measured: starting from the target's own
+        LM head rows instead gives logits of ±30 that the first epochs spend undoing)."""
         with torch.no_grad():
-            for lin in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj):
+            for lin in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj, self.lm_head):
                 nn.init.normal_(lin.weight, std=0.02)
             for lin in (self.o_proj, self.down_proj):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2))
-            self.norm.copy_(final_norm)
-            self.lm_head.weight.copy_(head_rows)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f = positions.to(torch.float32)[..., None] * self.inv_freq
@@ -121,20 +132,28 @@ class EagleHead(nn.Module):
         v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None]), v
 
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention output (B, T, Hq·D) → (draft logits, hidden before the final norm)."""
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, T, Hq·D) → the hidden state before the final norm."""
         eps = self.spec.cfg.rms_norm_eps
         s = residual + self.o_proj(attn)
         h = rms(s, self.post_attention_layernorm, eps)
-        pre = s + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
-        return self.lm_head(rms(pre, self.norm, eps)), pre
+        return s + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def logits(self, pre: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of hidden states before the final norm."""
+        return self.lm_head(rms(pre, self.norm, self.spec.cfg.rms_norm_eps))
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`hidden_unrolled`'s states through the LM head: per step, logits (B, T, draft vocab)."""
+        return [self.logits(pre) for pre in self.hidden_unrolled(features, tokens, steps)]
+
+    def hidden_unrolled(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over sequences: features (B, T, layers·H) at positions 0..T-1, tokens (B, T) the token
         after each position. Step 0 drafts from the fused features at every position; step i ≥ 1 at position p
         continues the chain that started at p − i, from step i−1's hidden state at p − 1, attending (as drafting
-        does) to step 0's keys up to p − i and to each later step's key of that chain. → per step, logits
-        (B, T, draft vocab) predicting the token two after each position's own (positions p < i: no chain)."""
+        does) to step 0's keys up to p − i and to each later step's key of that chain. → per step, the
+        hidden states (B, T, H) before the final norm, whose logits predict the token two after each position's
+        own (positions p < i: no chain)."""
         B, T, _ = features.shape
         c = self.spec.cfg
         group = c.num_heads // c.num_kv_heads
@@ -144,7 +163,7 @@ class EagleHead(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         out: list[torch.Tensor] = []
-        g = self.fc(features)
+        g = self.fuse(features)
         for i in range(steps):
             if i > 0:  # each position continues from the previous position's hidden state of the last step
                 g = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
@@ -169,8 +188,8 @@ class EagleHead(nn.Module):
                 _, vm = keys[m]
                 attn = attn + p[..., T + m - 1 : T + m] * torch.roll(vm, i - m, dims=2)
             attn = attn.transpose(1, 2).reshape(B, T, -1)
-            logits, g = self.finish(attn, residual)
-            out.append(logits)
+            g = self.finish(attn, residual)
+            out.append(g)
         return out
 
     # --- the speculators directory ------------------------------------------------------------------------------
@@ -179,7 +198,7 @@ class EagleHead(nn.Module):
         """Tensors under the names speculators and vLLM's Eagle3LlamaForCausalLM read."""
         lay = "layers.0."
         s = {
-            "fc.weight": self.fc.weight,
+            "fc.weight": self.fc.weight * self.feature_scale[None],
             lay + "self_attn.q_proj.weight": self.q_proj.weight,
             lay + "self_attn.k_proj.weight": self.k_proj.weight,
             lay + "self_attn.v_proj.weight": self.v_proj.weight,
@@ -199,8 +218,12 @@ class EagleHead(nn.Module):
         mine = self.state()
         missing = sorted(set(mine) - set(tensors))
         if missing:
-            raise SpecwiseError(f"the head's weights lack {missing[:3]} (is this an EAGLE-3 head in speculators format?)")
+            raise SpecwiseError(
+                f"the head's weights lack {missing[:3]} (is this an EAGLE-3 head in speculators format?)"
+            )
         with torch.no_grad():
+            self.feature_scale.fill_(1.0)
+            mine["fc.weight"] = self.fc.weight.detach()
             for name, want in mine.items():
                 got = tensors[name]
                 if tuple(got.shape) != tuple(want.shape):
@@ -292,7 +315,9 @@ def read(directory: Path, cfg: ModelConfig) -> tuple[HeadSpec, torch.Tensor, dic
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecwiseError(f"eagle:{directory}/{CONFIG} is not JSON: {exc}") from None
     if not isinstance(conf, dict) or conf.get("speculators_model_type") != "eagle3":
-        raise SpecwiseError(f"eagle:{directory}: {CONFIG} is not an EAGLE-3 speculators config (speculators_model_type)")
+        raise SpecwiseError(
+            f"eagle:{directory}: {CONFIG} is not an EAGLE-3 speculators config (speculators_model_type)"
+        )
     layer = conf.get("transformer_layer_config") or {}
     want = {
         "hidden_size": cfg.hidden_size,
@@ -334,9 +359,39 @@ def read(directory: Path, cfg: ModelConfig) -> tuple[HeadSpec, torch.Tensor, dic
         tuple(layers),
         size,
         bool(conf.get("norm_before_residual", True)),
-        conf.get("specwise") if isinstance(conf.get("specwise"), dict) else {},
+        dict(conf["specwise"]) if isinstance(conf.get("specwise"), dict) else {},
     )
     return spec, ids, tensors
+
+
+def target_origin(target) -> str:
+    """The hash a head records for the target it was trained on: the GGUF's (or directory's) own, or, for a
+    directory `specwise export-hf` wrote, the hash of the file it was exported from (the same weights)."""
+    from specwise.identity import read_manifest
+
+    manifest = read_manifest(Path(target.directory)) if target.directory else {}
+    return str(manifest.get("source_sha256") or target.identity.source_sha256 or target.identity.sha256)
+
+
+def check_target(spec: HeadSpec, target, directory: Path) -> None:
+    """Refuse a head trained for other weights (its recorded target hash is not this target's)."""
+    want = spec.provenance.get("target_sha256")
+    if not want:
+        return  # a head from elsewhere (speculators, SpecForge): the shapes were checked, nothing more is known
+    mine = {target_origin(target), target.identity.source_sha256, target.identity.sha256}
+    if want not in mine:
+        raise SpecwiseError(
+            f"eagle:{directory} was trained for target {want[:12]}…, not this one ({target.identity.name}, "
+            f"{target_origin(target)[:12]}…): train a head for this target with `specwise train-draft`"
+        )
+
+
+def new_head(spec: HeadSpec, draft_ids: torch.Tensor, target: NativeDecoder, seed: int = 0) -> EagleHead:
+    """An untrained head for `target`: its embedding shared, weights small and random (norms at one)."""
+    torch.manual_seed(seed)
+    head = EagleHead(spec, draft_ids, target.weights.embed.dequantize())
+    head.init_small()
+    return head
 
 
 def load(directory: Path, target: NativeDecoder) -> EagleHead:
@@ -366,19 +421,20 @@ class NativeHead:
         p = self.precision
         w = {k: v.float() for k, v in h.state().items()}
         lay = "layers.0."
+        # fc reads the target's raw residual stream, whose few huge channels would flatten every other value of
+        # their 32-group under int8 activations: it keeps fp32 activations and, in the int8 head, bf16 weights.
         self._linears = {
-            "fc": pack(w["fc.weight"], p),
+            "fc": pack(w["fc.weight"], "bfloat16" if p == "int8" else p),
             "qkv": pack(torch.cat([w[lay + f"self_attn.{n}_proj.weight"] for n in "qkv"]), p),
             "o": pack(w[lay + "self_attn.o_proj.weight"], p),
             "gate_up": pack(torch.cat([w[lay + "mlp.gate_proj.weight"], w[lay + "mlp.up_proj.weight"]]), p),
             "down": pack(w[lay + "mlp.down_proj.weight"], p),
             "lm": pack(w["lm_head.weight"], p, head=True),
         }
-        self._structs = {k: v.struct(act) for k, v in self._linears.items()}
+        self._structs = {k: v.struct("float32" if k == "fc" else act) for k, v in self._linears.items()}
         self._embed = self.target.weights.embed.struct()
-        self._norms = {
-            k: w[lay + k + ".weight"].contiguous() for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")
-        }
+        names = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+        self._norms = {k: w[lay + k + ".weight"].contiguous() for k in names}
         self._norms["norm"] = w["norm.weight"].contiguous()
         self.eps = c.rms_norm_eps
         self._scratch = torch.empty(0)

@@ -23,6 +23,7 @@ import torch
 from specwise.engine.cache import output_size
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
+from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise, fresh_seed
 from specwise.engine.request import RequestOptions
 from specwise.engine.request_stats import RequestStats
@@ -480,9 +481,11 @@ class Engine:
             positions += range(len(seq.token_ids) - 1, len(seq.token_ids) - 1 + len(row))
             slots += [seq.slot] * len(row)
         firsts = []  # (sequence, row of its last prompt token among the logits)
+        chunk_rows = []  # (first row, first position) of each chunk
         for seq, a, b in chunks:
             if seq.prefilled == 0:
                 seq.prefill_started = t1
+            chunk_rows.append((len(tokens), a))
             tokens += seq.token_ids[a:b]
             positions += range(a, b)
             slots += [seq.slot] * (b - a)
@@ -490,7 +493,33 @@ class Engine:
             if b == seq.prompt_len:
                 firsts.append((seq, len(out_rows)))
                 out_rows.append(len(tokens) - 1)
-        logits = self._forward(tokens, positions, slots, out_rows)
+        # Rows whose drafter reads the target's hidden states (a learned head): every row of their sequences.
+        rowsets = [
+            (s, at, len(d.tokens) + 1, len(s.token_ids) - 1) for s, d, at in zip(seqs, drafts, starts, strict=True)
+        ]
+        rowsets += [(s, r, b - a, p) for (s, a, b), (r, p) in zip(chunks, chunk_rows, strict=True)]
+        readers = [row for row in rowsets if self._reader(row[0]) is not None]
+        features: dict[int, torch.Tensor] = {}  # id(sequence) → its rows' features, in pass order
+        if readers:
+            layers = tuple(sorted({x for seq, *_ in readers for x in self._reader(seq).feature_layers}))
+            rows = [r for _, first, n, _ in readers for r in range(first, first + n)]
+            assert isinstance(self.model, NativeDecoder)  # an eagle drafter is built for native targets only
+            logits, feats = self.model.forward_features(
+                self.cache,
+                torch.tensor(tokens),
+                torch.tensor(positions),
+                torch.tensor(slots),
+                torch.tensor(out_rows),
+                layers,
+                torch.tensor(rows),
+            )
+            at = 0
+            for seq, _, n, _ in readers:
+                pick = [layers.index(x) for x in self._reader(seq).feature_layers]
+                features[id(seq)] = feats[at : at + n, pick]
+                at += n
+        else:
+            logits = self._forward(tokens, positions, slots, out_rows)
         verdicts = []
         row_logprobs: list[list[TokenLogprob] | None] = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
@@ -510,9 +539,18 @@ class Engine:
                     seq.controller.observe(len(draft.tokens), verdict.accepted)
                 seq.stats.observe_step(len(draft.tokens), verdict.accepted, dt, t2 - t1)
                 self.last_step_rows.append((len(draft.tokens), verdict.accepted))
+                start = len(seq.token_ids) - 1
                 events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token], lps))
+                if id(seq) in features:  # the committed rows only: the pending token and the accepted drafts
+                    self._reader(seq).observe_features(seq.slot, start, features[id(seq)][: verdict.accepted + 1])
             except Exception as exc:
                 self._fault(seq, exc)
+        for (seq, _, _), (_, position) in zip(chunks, chunk_rows, strict=True):
+            if id(seq) in features:
+                try:
+                    self._reader(seq).observe_features(seq.slot, position, features[id(seq)])
+                except Exception as exc:
+                    self._fault(seq, exc)
         for (seq, _), (verdict, lps) in zip(firsts, firsts_verdicts, strict=True):
             try:
                 seq.stats.prefill_time = t2 - seq.prefill_started
@@ -522,6 +560,11 @@ class Engine:
             except Exception as exc:
                 self._fault(seq, exc)
         return events
+
+    def _reader(self, seq: Sequence):
+        """The drafter of `seq` when it reads the target's hidden states (declares feature_layers), else None."""
+        drafter = self.drafters.get(seq.drafter) if seq.drafter is not None else None
+        return drafter if getattr(drafter, "feature_layers", None) else None
 
     def _verify(self, seq: Sequence, draft: Draft, scores: torch.Tensor) -> tuple[Verdict, list[TokenLogprob] | None]:
         """Verify one row's draft against its (k+1, V) target logits: the verdict, and the emitted tokens' logprobs

@@ -284,7 +284,29 @@ def _mean(x: list[float]) -> str:
     return f"{np.mean(x):.2f}" if x else "-"
 
 
-def format_table(rows: list[Row], base: Baseline, n: int, window: str) -> str:
+ACCEPTANCE_METRICS = ("acceptance rate", "acceptance length", "speedup estimate")
+
+
+def retrain_hint(rows: list[Row], log: str, has_text: bool) -> str | None:
+    """When acceptance drifted: the command that trains a draft head on the logged traffic (issue 23's loop), or
+    what the log lacks for it; None otherwise."""
+    if not any(r.verdict == DRIFTED and r.metric.startswith(ACCEPTANCE_METRICS) for r in rows):
+        return None
+    command = f"specwise train-draft --from {log} --out head-$(date +%Y%m%d)"
+    if not has_text:
+        return (
+            "acceptance drifted: a draft head trained on recent traffic may recover it, but this log holds no prompt "
+            f"text — serve with --log-text, then run `{command}`"
+        )
+    return (
+        f"acceptance drifted: a draft head trained on recent traffic may recover it — `{command}`, then evaluate "
+        "it against the current drafter (`--launch 'specwise serve --drafter eagle:DIR'`)"
+    )
+
+
+def format_table(
+    rows: list[Row], base: Baseline, n: int, window: str, log: str | None = None, has_text: bool = False
+) -> str:
     head = f"baseline {base.path} ({base.config}) vs {n} logged requests, window {window}"
     w = max(len(r.metric) for r in rows)
     lines = [head, f"{'metric':<{w}}  {'baseline':>14}  {'now':>14}  {'change':>8}  verdict"]
@@ -303,6 +325,9 @@ def format_table(rows: list[Row], base: Baseline, n: int, window: str) -> str:
             INVALID: "INVALID — a revision changed: the evaluation no longer applies; re-run it",
         }[worst]
     )
+    hint = retrain_hint(rows, log, has_text) if log else None
+    if hint:
+        lines.append(hint)
     return "\n".join(lines)
 
 
@@ -331,4 +356,5 @@ def check(
     if not entries:
         raise SpecwiseError(f"the window (last {window}) holds no requests: widen --window, or send traffic first")
     rows = compare(base, entries, alpha)
-    return rows, format_table(rows, base, len(entries), window)
+    has_text = any(e.prompt for e in entries)
+    return rows, format_table(rows, base, len(entries), window, log, has_text)

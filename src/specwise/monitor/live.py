@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -96,7 +97,7 @@ class DriftWatch:
             finish_reason=result.finish_reason,
             target=self.engine.target.identity.to_dict(),
             draft=self._draft(seq.drafter) if s.drafted else None,
-            prompt=(prompt if isinstance(prompt, str) else repr(prompt)) if self.log_text else None,
+            prompt=(prompt if isinstance(prompt, str) else json.dumps(prompt)) if self.log_text else None,
             output=result.text if self.log_text else None,
         )
         self.observe(entry)

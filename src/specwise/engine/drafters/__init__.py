@@ -3,6 +3,7 @@
 - ``ngram`` / ``ngram:N``   prompt lookup over prompt + output, n-grams up to N tokens (default 3); no model
 - ``suffix`` / ``suffix:T`` suffix drafting over the request and the last T tokens of earlier outputs; no model
 - ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer
+- ``eagle:PATH``            an EAGLE-3 head trained for this target (`specwise train-draft`), reading its hidden states
 - ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
                             ``0-29/2`` (every other layer)
@@ -13,6 +14,7 @@ from __future__ import annotations
 from specwise.engine.cache import output_size
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
+from specwise.engine.drafters.eagle import EagleDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
 from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
 from specwise.engine.weights import load_target
@@ -23,6 +25,7 @@ __all__ = [
     "DRAFTER_HELP",
     "Draft",
     "Drafter",
+    "EagleDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "SequenceView",
@@ -73,6 +76,8 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
             raise SpecwiseError("int8 self-drafting needs a Llama-family target (our decoder)")
         q = target.model.requantized("int8")  # every linear layer in 8 bits (group 32); embeddings shared
         return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
+    if kind == "eagle":
+        return EagleDrafter(arg, target, num_slots, cache_len)
     if kind == "model":
         draft = load_target(arg, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, arg)

@@ -19,6 +19,22 @@ from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
 
+def choose(seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, np.ndarray | None]:
+    """The next draft token from full-vocabulary logits, and the distribution q it was drawn from: with the target's
+    Gumbel noise for that output position under coupled verification (so it agrees with the target's draw as often
+    as q allows), with the drafter's own counter-based uniform under rejection sampling."""
+    if seq.params.greedy:
+        return greedy(logits)[0], None
+    q = probabilities(logits[None], seq.params)[0]  # (V,), numpy on the host (sampling.host says why)
+    position = len(seq.token_ids) - seq.prompt_len + drafted
+    if seq.verify == "coupled":
+        with np.errstate(divide="ignore"):
+            token = gumbel_argmax(np.log(q), seq.noise.gumbel(position, q.shape[-1]))
+    else:
+        token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
+    return token, q
+
+
 class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
@@ -72,21 +88,6 @@ class ModelDrafter:
             torch.tensor(last),
         )
 
-    def _choose(self, seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, np.ndarray | None]:
-        """The next draft token and the distribution q it was drawn from: with the target's Gumbel noise for that
-        output position under coupled verification (so it agrees with the target's draw as often as q allows),
-        with the drafter's own counter-based uniform under rejection sampling."""
-        if seq.params.greedy:
-            return greedy(logits)[0], None
-        q = probabilities(logits[None], seq.params)[0]  # (V,), numpy on the host (sampling.host says why)
-        position = len(seq.token_ids) - seq.prompt_len + drafted
-        if seq.verify == "coupled":
-            with np.errstate(divide="ignore"):
-                token = gumbel_argmax(np.log(q), seq.noise.gumbel(position, q.shape[-1]))
-        else:
-            token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
-        return token, q
-
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
         probs: list[list[np.ndarray]] = [[] for _ in seqs]
@@ -112,7 +113,7 @@ class ModelDrafter:
         # 2. Draft one token at a time for the rows that still want more.
         while True:
             for i in list(last_logits):
-                token, p = self._choose(seqs[i], last_logits[i], len(drafts[i].tokens))
+                token, p = choose(seqs[i], last_logits[i], len(drafts[i].tokens))
                 drafts[i].tokens.append(token)
                 if p is not None:
                     probs[i].append(p)

@@ -1,0 +1,147 @@
+"""A draft head trained on this CPU for the embedded model (issue 23's benchmark): the target answers built-in
+chat-like prompts (prompts.chat_like — never the evaluation prompts), a head is trained on them, then on the
+held-out chat prompts (prompts.CHAT) with k=4, greedy: mean acceptance length, decode speed against plain decoding
+and against n-gram drafting at concurrency 1, and at concurrency 4 with adaptive k; the time collection and
+training took; and the held-out acceptance length against the number of training tokens (heads trained on shares
+of the data, same options), so a user sees how much traffic buys how much.
+
+    python benchmarks/draft_head.py [--prompts 380] [--max-new-tokens 160] [--epochs 6] [--repeats 3]
+        [--head DIR: measure an existing head, no training] [--curve 0.125,0.25,0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from prompts import CHAT, chat, chat_like
+
+from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine import draft_data as D
+from specwise.engine import draft_train as T
+from specwise.engine import eagle as E
+from specwise.engine.kernels import describe
+from specwise.speccounts import SpecCounts
+
+
+def train_head(target, examples, vocab_size: int, options: T.TrainOptions, out: Path) -> tuple[Path, float, float]:
+    """(directory, seconds, final held-out acceptance length) of a head trained on `examples`."""
+    t0 = time.perf_counter()
+    ids, coverage = D.draft_vocabulary(examples, vocab_size)
+    model = target.model
+    spec = E.HeadSpec(
+        model.cfg,
+        D.eagle_layers(model.num_layers),
+        int(ids.numel()),
+        provenance={"target_sha256": E.target_origin(target), "data_sha256": T.data_sha256(examples)},
+    )
+    head = E.new_head(spec, ids, model)
+    history = T.train(head, examples, options, progress=False, report=lambda r: print(f"  {r}", flush=True))
+    E.save(head, out, options.k)
+    return out, time.perf_counter() - t0, history.epochs[-1].acceptance_length
+
+
+def decode(target, drafter: str | None, k, batch: int, prompts: list, n: int) -> tuple[float, SpecCounts]:
+    """Decode tokens/s (tokens after the first over decode seconds; batch > 1: wall time of the whole batch) and
+    the pooled counts."""
+    engine = Engine(target, drafter=drafter, k=k, max_batch=batch)
+    engine.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))  # warm-up
+    params = SamplingParams(max_new_tokens=n)
+    counts = SpecCounts()
+    if batch == 1:
+        seconds, tokens = 0.0, 0
+        for p in prompts:
+            r = engine.generate([p], params)[0]
+            seconds += r.stats.decode_time
+            tokens += r.stats.generated_tokens - 1
+            counts.add(r.stats.counts())
+        return tokens / seconds, counts
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    for r in results:
+        counts.add(r.stats.counts())
+    return sum(r.stats.generated_tokens for r in results) / wall, counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=380, help="chat-like training prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=160, help="tokens the target answers each with")
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--epochs", type=int, default=T.TrainOptions().epochs)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--eval-tokens", type=int, default=96)
+    ap.add_argument("--head", help="measure this head (a train-draft directory) instead of training one")
+    ap.add_argument("--out", default="/tmp/specwise-bench-head", help="where the trained head is written")
+    ap.add_argument("--curve", default="0.125,0.25,0.5", help="shares of the data to train curve points on")
+    args = ap.parse_args()
+    target = load_target()
+    tok = target.tokenizer
+    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {describe()}")
+    options = T.TrainOptions(epochs=args.epochs)
+    if args.head:
+        head = Path(args.head)
+    else:
+        ids = [
+            tok.encode(tok.apply_chat_template(chat(p)), add_special_tokens=False)
+            for p in chat_like(args.prompts, seed=1)
+        ]
+        t0 = time.perf_counter()
+        examples = D.collect(target, ids, args.max_new_tokens)
+        collected = time.perf_counter() - t0
+        tokens = sum(ex.answer_len for ex in examples)
+        print(f"collected {tokens} answer tokens ({len(examples)} prompts) in {collected:.0f} s")
+        head, seconds, tau = train_head(target, examples, args.draft_vocab, options, Path(args.out))
+        print(
+            f"trained in {seconds:.0f} s; collection + training {collected + seconds:.0f} s "
+            f"({(collected + seconds) / 60:.1f} min) on {tokens} target tokens; held-out acceptance length {tau:.2f}"
+        )
+        curve = [(tokens, tau)]
+        for share in [float(x) for x in args.curve.split(",") if x]:
+            part = examples[: max(4, round(share * len(examples)))]
+            n = sum(ex.answer_len for ex in part)
+            print(f"curve: {len(part)} prompts ({n} tokens)")
+            _, _, t = train_head(target, part, args.draft_vocab, options, Path(args.out + f"-{share}"))
+            curve.append((n, t))
+        print("\nheld-out acceptance length (k=4, training split's held-out part) against training tokens:")
+        for n, t in sorted(curve):
+            print(f"  {n:7d} tokens  {t:.2f}")
+    evaluation = [chat(p) for p in CHAT]
+    systems = [
+        ("plain", None, 4, 1),
+        ("ngram k=4", "ngram", 4, 1),
+        ("eagle k=4", f"eagle:{head}", 4, 1),
+        ("eagle k=auto", f"eagle:{head}", "auto", 1),
+        ("plain c=4", None, 4, 4),
+        ("eagle k=auto c=4", f"eagle:{head}", "auto", 4),
+    ]
+    rates: dict[str, list[float]] = {s: [] for s, *_ in systems}
+    last: dict[str, SpecCounts] = {}
+    for _ in range(args.repeats):
+        for name, drafter, k, batch in systems:
+            rate, counts = decode(target, drafter, k, batch, evaluation, args.eval_tokens)
+            rates[name].append(rate)
+            last[name] = counts
+    base = {1: statistics.median(rates["plain"]), 4: statistics.median(rates["plain c=4"])}
+    ngram = statistics.median(rates["ngram k=4"])
+    print(f"\n== {len(evaluation)} held-out chat prompts (prompts.CHAT), greedy, {args.repeats} repeats, medians ==")
+    print(f"{'system':18} {'tok/s':>7} {'vs plain':>9} {'vs ngram':>9} {'accept':>7} {'MAL':>5}")
+    for name, _, _, batch in systems:
+        tps, c = statistics.median(rates[name]), last[name]
+        acc = "-" if c.acceptance_rate is None else f"{c.acceptance_rate:.2f}"
+        mal = "-" if c.mean_acceptance_length is None or not c.drafted else f"{c.mean_acceptance_length:.2f}"
+        vs_ngram = f"{tps / ngram:8.2f}x" if batch == 1 else "        -"
+        print(f"{name:18} {tps:7.1f} {tps / base[batch]:8.2f}x {vs_ngram} {acc:>7} {mal:>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""`specwise train-draft --from FILE --out DIR`: train an EAGLE-3 draft head for the target on your own prompts —
+the target answers each itself, its features and distributions are collected, the head is trained on the CPU
+(engine.draft_train) and written as a speculators directory that `--drafter eagle:DIR` and vLLM both load.
+
+FILE is a JSONL file with a `prompt` or `messages` per line, a workload file (what `evaluate --workload` takes), or
+a request log written by `specwise serve --log PATH --log-text`. Everything is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+from specwise.errors import SpecwiseError
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+EXAMPLES = "examples.pt"
+TRAINING = "training.json"
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    """This subcommand and its flags."""
+    from specwise.specs import TrainOptions
+
+    d = TrainOptions()
+    p = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-3 draft head for the target on your prompts (--drafter eagle:DIR, or vLLM's eagle3)",
+    )
+    p.add_argument("--from", dest="source", required=True, metavar="FILE", help="JSONL, workload file or request log")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the head is written (a checkpoint resumes)")
+    p.add_argument("--model", help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens the target answers each prompt with")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts from (the most frequent)")
+    p.add_argument("--limit", type=int, help="use at most this many prompts (the first ones)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (one cycle)")
+    p.add_argument("--steps", type=int, default=d.steps, help="unrolled drafting steps trained (training-time test)")
+    p.add_argument("--k", type=int, default=d.k, help="draft length the held-out acceptance is measured at")
+    p.add_argument("--held-out", type=float, default=d.held_out, help="share of the prompts kept for measuring")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def read_prompts(path: Path) -> list[str | list[dict]]:
+    """The prompts in FILE (text, or chat messages), in order; a clear error for anything else."""
+    try:
+        head = path.open("rb").read(16)
+    except FileNotFoundError:
+        raise SpecwiseError(f"--from {path}: no such file") from None
+    except OSError as exc:
+        raise SpecwiseError(f"--from {path}: cannot read it ({exc.strerror})") from None
+    if head == SQLITE_MAGIC:
+        prompts = _from_log(path)
+    elif path.suffix.lower() == ".jsonl":
+        prompts = _from_jsonl(path)
+    else:
+        from specwise.harness.workload import load_workload
+
+        prompts = [t.request for t in load_workload(path).tasks]
+    if not prompts:
+        raise SpecwiseError(f"--from {path}: no prompts in it (give at least 2: one is held out to measure the head)")
+    return prompts
+
+
+def _check_messages(messages: object, where: str) -> list[dict]:
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages)
+    ):
+        raise SpecwiseError(f"{where}: messages must be a non-empty list of {{'role': ..., 'content': ...}}")
+    return [dict(m) for m in messages]
+
+
+def _from_jsonl(path: Path) -> list[str | list[dict]]:
+    out: list[str | list[dict]] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise SpecwiseError(f"--from {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--from {path}, line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecwiseError(f"{where}: not JSON ({exc.msg}); each line must be one object") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise SpecwiseError(f"{where}: give an object with a 'prompt' (text) or 'messages' (chat), one of them")
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                raise SpecwiseError(f"{where}: 'prompt' must be non-empty text")
+            out.append(row["prompt"])
+        else:
+            out.append(_check_messages(row["messages"], where))
+    return out
+
+
+def _from_log(path: Path) -> list[str | list[dict]]:
+    from specwise.paths import sqlite_readonly_uri
+
+    try:
+        con = sqlite3.connect(sqlite_readonly_uri(path), uri=True)
+        rows = con.execute("SELECT prompt FROM log ORDER BY time").fetchall()
+        con.close()
+    except sqlite3.Error as exc:
+        raise SpecwiseError(f"--from {path}: not a specwise request log ({exc})") from None
+    texts = [r[0] for r in rows if r[0]]
+    if rows and not texts:
+        raise SpecwiseError(
+            f"--from {path}: the log holds {len(rows)} requests but no prompt text: serve with --log-text to log it"
+        )
+    out: list[str | list[dict]] = []
+    for text in texts:
+        if text.startswith("["):  # chat messages: JSON (older logs: Python's repr)
+            try:
+                messages = json.loads(text)
+            except json.JSONDecodeError:
+                try:
+                    messages = ast.literal_eval(text)
+                except (ValueError, SyntaxError):
+                    out.append(text)
+                    continue
+            out.append(_check_messages(messages, f"--from {path}"))
+        else:
+            out.append(text)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from specwise.engine import Engine, load_target
+    from specwise.engine import draft_data as D
+    from specwise.engine import draft_train as T
+    from specwise.engine import eagle as E
+    from specwise.engine.native import NativeDecoder
+
+    options = T.TrainOptions(args.epochs, args.lr, args.steps, args.k, held_out=args.held_out, seed=args.seed)
+    options.check()
+    if args.max_tokens < 2:
+        raise SpecwiseError(f"--max-tokens {args.max_tokens} is not allowed: give at least 2")
+    if args.limit is not None and args.limit < 2:
+        raise SpecwiseError(f"--limit {args.limit} is not allowed: give at least 2 prompts")
+    source = Path(args.source)
+    prompts = read_prompts(source)[: args.limit]
+    if len(prompts) < 2:
+        raise SpecwiseError(f"--from {source}: {len(prompts)} prompt; give at least 2 (one is held out)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SpecwiseError(f"--out {out} is a file: give a directory")
+    if (out / E.CONFIG).exists() and not (out / T.CHECKPOINT).exists():
+        raise SpecwiseError(f"--out {out} already holds a trained head: give a new directory")
+    target = load_target(args.model)
+    model = target.model
+    if not isinstance(model, NativeDecoder):
+        raise SpecwiseError("a draft head is trained for a Llama-family target on the CPU kernels (our decoder)")
+    if args.draft_vocab < 1 or args.draft_vocab > model.cfg.vocab_size:
+        raise SpecwiseError(f"--draft-vocab {args.draft_vocab} is not allowed: give 1..{model.cfg.vocab_size}")
+    encoder = Engine(target, max_batch=1, max_len=64)
+    ids = [encoder.encode_prompt(p) for p in prompts]
+    layers = D.eagle_layers(model.num_layers)  # refuses a target too small before anything is written
+    key = hashlib.sha256(json.dumps([ids, args.max_tokens, E.target_origin(target)]).encode()).hexdigest()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cached = out / EXAMPLES
+    examples = None
+    if cached.exists():
+        saved = torch.load(cached, weights_only=False)
+        if saved.get("key") == key:
+            examples = saved["examples"]
+            print(f"using the {len(examples)} answers collected before ({cached})", file=sys.stderr)
+    if examples is None:
+        print(f"the target answers {len(ids)} prompts (≤ {args.max_tokens} tokens each) …", file=sys.stderr)
+        examples = D.collect(target, ids, args.max_tokens, layers, progress=not args.no_progress)
+        torch.save({"key": key, "examples": examples}, cached)
+    collected = time.perf_counter() - t0
+    answer_tokens = sum(ex.answer_len for ex in examples)
+    vocab, coverage = D.draft_vocabulary(examples, args.draft_vocab)
+    provenance = {
+        "target_sha256": E.target_origin(target),
+        "target_name": target.identity.name,
+        "data_sha256": T.data_sha256(examples),
+        "data_source": str(source),
+        "prompts": len(examples),
+        "answer_tokens": answer_tokens,
+        "draft_vocab_coverage": round(coverage, 4),
+        "options": {**vars(options), "max_tokens": args.max_tokens},
+    }
+    spec = E.HeadSpec(model.cfg, layers, int(vocab.numel()), provenance=provenance)
+    head = E.new_head(spec, vocab, model)
+    print(
+        f"training on {answer_tokens} answer tokens (draft vocabulary {vocab.numel()}, covering "
+        f"{coverage:.1%} of them) …",
+        file=sys.stderr,
+    )
+
+    def report(r: T.EpochReport) -> None:
+        print(
+            f"epoch {r.epoch}: loss {r.loss:.3f}, held-out acceptance length {r.acceptance_length:.2f} at k="
+            f"{options.k} (step accuracy {', '.join(f'{a:.2f}' for a in r.step_accuracy)}), {r.seconds:.0f} s",
+            file=sys.stderr,
+        )
+
+    history = T.train(head, examples, options, out, progress=not args.no_progress, report=report)
+    E.save(head, out, options.k)
+    summary = {
+        **provenance,
+        "collection_seconds": round(collected, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+        **history.to_dict(),
+    }
+    (out / TRAINING).write_text(json.dumps(summary, indent=2) + "\n")
+    for leftover in (out / T.CHECKPOINT, cached):
+        leftover.unlink(missing_ok=True)
+    last = history.epochs[-1]
+    print(
+        f"wrote {out}: held-out acceptance length {last.acceptance_length:.2f} at k={options.k}; use it with "
+        f'--drafter eagle:{out} (or vLLM: --speculative-config \'{{"method": "eagle3", "model": "{out}"}}\')'
+    )
+    return 0

@@ -1,0 +1,135 @@
+"""`specwise train-draft` (issue 23, item 3): the prompts come from a JSONL file, a workload file or a request log
+with text; bad input is refused with the reason and nothing is written; a run writes a head that drafts, with its
+provenance; an interrupted training resumes from its checkpoint and ends where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import torch
+from conftest import write_tiny_model
+
+from specwise.cli import main
+from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine import draft_data as D
+from specwise.engine import draft_train as T
+from specwise.engine import eagle as E
+from specwise.monitor.requestlog import LogEntry, RequestLog
+
+PROMPTS = ["hello world", "the cat sat on", "abcabc", "speculative", "a b c d e", "zzz top"]
+
+
+@pytest.fixture(scope="module")
+def tiny4_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny4") / "m", layers=4, seed=3)
+
+
+def jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def train_cli(source, out, model, *extra) -> int:
+    return main(["train-draft", "--from", str(source), "--out", str(out), "--model", str(model), "--no-progress",
+                 "--max-tokens", "24", "--draft-vocab", "40", "--epochs", "2", *extra])  # fmt: skip
+
+
+def test_a_jsonl_of_prompts_and_messages_trains_a_head_that_drafts(tiny4_dir, tmp_path, capsys):
+    rows = [{"prompt": p} for p in PROMPTS[:4]] + [{"messages": [{"role": "user", "content": p}]} for p in PROMPTS[4:]]
+    out = tmp_path / "head"
+    assert train_cli(jsonl(tmp_path / "p.jsonl", rows), out, tiny4_dir) == 0
+    assert sorted(p.name for p in out.iterdir()) == [E.CONFIG, E.WEIGHTS, "training.json"]  # checkpoint removed
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["prompts"] == 6 and len(summary["epochs"]) == 2 and summary["answer_tokens"] > 0
+    conf = json.loads((out / E.CONFIG).read_text())
+    target = load_target(tiny4_dir)
+    assert conf["specwise"]["target_sha256"] == E.target_origin(target)
+    assert conf["specwise"]["data_sha256"] == summary["data_sha256"]
+    engine = Engine(target, drafter=f"eagle:{out}", k=3)
+    r = engine.generate(["hello world"], SamplingParams(max_new_tokens=16))[0]
+    assert r.token_ids == Engine(target).generate(["hello world"], SamplingParams(max_new_tokens=16))[0].token_ids
+    assert r.stats.drafted > 0
+    assert "held-out acceptance length" in capsys.readouterr().out
+    assert train_cli(tmp_path / "p.jsonl", out, tiny4_dir) == 2  # a finished head is not written over
+
+
+def test_a_workload_file_and_a_request_log_with_text_are_read(tiny4_dir, tmp_path):
+    from specwise.cli.train_draft import read_prompts
+
+    wl = tmp_path / "w.yaml"
+    wl.write_text("name: w\ntasks:\n  - id: a\n    max_tokens: 8\n    prompt: hello there\n  - id: b\n"
+                  "    max_tokens: 8\n    messages:\n      - {role: user, content: hi}\n")  # fmt: skip
+    assert read_prompts(wl) == ["hello there", [{"role": "user", "content": "hi"}]]
+    log = RequestLog(tmp_path / "log.db")
+    for prompt in ("plain text", json.dumps([{"role": "user", "content": "chat"}])):
+        log.add(LogEntry(1.0, 3, 4, 0.1, 0.2, 1, False, None, prompt=prompt))
+    log.close()
+    assert read_prompts(tmp_path / "log.db") == ["plain text", [{"role": "user", "content": "chat"}]]
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("", "no prompts in it"),
+        ('{"prompt": "one"}\n', "1 prompt; give at least 2"),
+        ('{"prompt": "a"}\nnot json\n', "line 2: not JSON"),
+        ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: give an object with a 'prompt'"),
+        ('{"prompt": "a"}\n{"messages": []}\n', "messages must be a non-empty list"),
+        ('{"prompt": "a"}\n{"prompt": ""}\n', "'prompt' must be non-empty text"),
+    ],
+)
+def test_bad_input_is_refused_and_nothing_is_written(tiny4_dir, tmp_path, capsys, content, needle):
+    src = tmp_path / "p.jsonl"
+    src.write_text(content)
+    out = tmp_path / "out"
+    assert train_cli(src, out, tiny4_dir) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_log_without_text_or_a_missing_file_is_refused(tiny4_dir, tmp_path, capsys):
+    log = RequestLog(tmp_path / "log.db")
+    log.add(LogEntry(1.0, 3, 4, 0.1, 0.2, 1, False, None))
+    log.close()
+    out = tmp_path / "out"
+    assert train_cli(tmp_path / "log.db", out, tiny4_dir) == 2
+    assert "serve with --log-text" in capsys.readouterr().err and not out.exists()
+    assert train_cli(tmp_path / "missing.jsonl", out, tiny4_dir) == 2
+    assert "no such file" in capsys.readouterr().err and not out.exists()
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"SQLite format 3\x00" + b"\x00" * 200)
+    assert train_cli(broken, out, tiny4_dir) == 2
+    assert "not a specwise request log" in capsys.readouterr().err and not out.exists()
+    with sqlite3.connect(tmp_path / "other.db") as con:
+        con.execute("CREATE TABLE t (x)")
+    assert train_cli(tmp_path / "other.db", out, tiny4_dir) == 2
+    assert "not a specwise request log" in capsys.readouterr().err
+
+
+def test_an_interrupted_training_resumes_and_ends_as_an_uninterrupted_one(tiny4_dir, tmp_path):
+    target = load_target(tiny4_dir)
+    examples = D.collect(target, [target.tokenizer.encode(p) for p in PROMPTS], max_new_tokens=24)
+    ids, _ = D.draft_vocabulary(examples, 40)
+    spec = E.HeadSpec(target.model.cfg, D.eagle_layers(target.model.num_layers), int(ids.numel()))
+    options = T.TrainOptions(epochs=3, lr=5e-3, batch_tokens=64)
+    whole = E.new_head(spec, ids, target.model)
+    T.train(whole, examples, options, progress=False)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(report):
+        if report.epoch == 1:
+            raise Stop
+
+    resumed = E.new_head(spec, ids, target.model)
+    with pytest.raises(Stop):
+        T.train(resumed, examples, options, tmp_path, progress=False, report=stop_after_first)
+    assert (tmp_path / T.CHECKPOINT).exists()
+    again = E.new_head(spec, ids, target.model)  # a fresh process: only the checkpoint carries the first epoch
+    history = T.train(again, examples, options, tmp_path, progress=False)
+    assert [e.epoch for e in history.epochs] == [1, 2, 3]
+    for name, t in whole.state().items():
+        assert torch.allclose(t, again.state()[name], atol=1e-6), name
