@@ -34,7 +34,7 @@ from specwise.speccounts import SpecCounts
 def train_head(target, examples, vocab_size: int, options: T.TrainOptions, out: Path) -> tuple[Path, float, float]:
     """(directory, seconds, final held-out acceptance length) of a head trained on `examples`."""
     t0 = time.perf_counter()
-    ids, coverage = D.draft_vocabulary(examples, vocab_size)
+    ids, _ = D.draft_vocabulary(examples, vocab_size)
     model = target.model
     spec = E.HeadSpec(
         model.cfg,

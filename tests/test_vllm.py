@@ -274,3 +274,58 @@ def test_vllm_bench_serve_against_specwise_serve_agrees_with_the_servers_log(vll
     )
     assert bench["median_tpot_ms"] == pytest.approx(server_tpot, rel=0.15)
     assert bench["median_ttft_ms"] == pytest.approx(server_ttft, rel=0.15, abs=5.0)
+
+
+def test_a_head_trained_by_specwise_drafts_in_vllm_as_in_specwise(vllm_python, hf_dir, tmp_path):
+    """`specwise train-draft` writes a speculators directory that real vLLM loads as its EAGLE-3 drafter: trained
+    (to memorising) on six chats answered by the bf16 export vLLM serves, it drafts in vLLM as in specwise wherever
+    the two servers answer alike (vLLM's bf16 arithmetic and our kernels' fp32 one part ways on some chats) — the
+    feature layers, the fusion, the draft vocabulary's offsets and the norms mean the same to both."""
+    chats = [
+        "Why do cats purr?",
+        "Name three fruits.",
+        "What is a cache?",
+        "Say hello in French.",
+        "What is the capital of Italy?",
+        "Give me a tip for sleeping better.",
+    ]
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n" for c in chats))
+    head = tmp_path / "head"
+    cli("train-draft", "--from", src, "--out", head, "--model", hf_dir, "--max-tokens", "48", "--draft-vocab", "1024",
+        "--epochs", "40", "--lr", "2e-3", "--batch-tokens", "128", "--held-out", "0.17", "--no-progress",
+        timeout=900)  # fmt: skip
+    from specwise.engine import Engine, SamplingParams, load_target
+
+    ours = Engine(load_target(hf_dir), drafter=f"eagle:{head}", k=4, max_batch=1)
+    mine = ours.generate([[{"role": "user", "content": c}] for c in chats], SamplingParams(max_new_tokens=48))
+    assert sum(r.stats.accepted for r in mine) > 0.3 * sum(r.stats.drafted for r in mine)  # memorised
+    port = free_port()
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    command = serve_command(vllm_python, hf_dir, port, f"--speculative-config '{json.dumps(spec)}'")
+    url = f"http://127.0.0.1:{port}"
+    alike = []  # (ours accepted, ours drafted, vLLM accepted, vLLM drafted) where the answers are the same text
+    with started(command, url, tmp_path / "vllm.log"):
+        for c, r in zip(chats, mine, strict=True):
+            before = parse_spec_counters(httpx.get(url + "/metrics", timeout=10).text)
+            answer = httpx.post(
+                url + "/v1/chat/completions",
+                json={
+                    "model": "smol",
+                    "messages": [{"role": "user", "content": c}],
+                    "max_tokens": 48,
+                    "temperature": 0,
+                },
+                timeout=120,
+            )
+            assert answer.status_code == 200, answer.text
+            after = parse_spec_counters(httpx.get(url + "/metrics", timeout=10).text)
+            assert after is not None and after["num_draft_tokens"] > (before or {}).get("num_draft_tokens", 0)
+            if answer.json()["choices"][0]["message"]["content"] == r.text:
+                drafted = after["num_draft_tokens"] - (before or {}).get("num_draft_tokens", 0)
+                accepted = after["num_accepted_tokens"] - (before or {}).get("num_accepted_tokens", 0)
+                alike.append((r.stats.accepted, r.stats.drafted, accepted, drafted))
+    assert len(alike) >= 2, f"vLLM and specwise answered only {len(alike)} of the chats alike"
+    ours_rate = sum(a[0] for a in alike) / sum(a[1] for a in alike)
+    vllm_rate = sum(a[2] for a in alike) / sum(a[3] for a in alike)
+    assert ours_rate > 0.5 and abs(vllm_rate - ours_rate) <= 0.15, alike

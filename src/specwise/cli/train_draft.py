@@ -44,6 +44,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="unrolled drafting steps trained (training-time test)")
     p.add_argument("--k", type=int, default=d.k, help="draft length the held-out acceptance is measured at")
     p.add_argument("--held-out", type=float, default=d.held_out, help="share of the prompts kept for measuring")
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded positions per optimiser step")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from specwise.engine import eagle as E
     from specwise.engine.native import NativeDecoder
 
-    options = T.TrainOptions(args.epochs, args.lr, args.steps, args.k, held_out=args.held_out, seed=args.seed)
+    options = T.TrainOptions(args.epochs, args.lr, args.steps, args.k, args.batch_tokens, args.held_out, args.seed)
     options.check()
     if args.max_tokens < 2:
         raise SpecwiseError(f"--max-tokens {args.max_tokens} is not allowed: give at least 2")
