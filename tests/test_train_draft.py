@@ -23,7 +23,7 @@ PROMPTS = ["hello world", "the cat sat on", "abcabc", "speculative", "a b c d e"
 
 @pytest.fixture(scope="module")
 def tiny4_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny4") / "m", layers=4, seed=3)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny4") / "m", layers=4, seed=3, max_pos=2048)
 
 
 def jsonl(path, rows) -> str:
@@ -133,3 +133,21 @@ def test_an_interrupted_training_resumes_and_ends_as_an_uninterrupted_one(tiny4_
     assert [e.epoch for e in history.epochs] == [1, 2, 3]
     for name, t in whole.state().items():
         assert torch.allclose(t, again.state()[name], atol=1e-6), name
+
+
+def test_evaluate_runs_a_trained_head_and_records_it_as_the_drafts_identity(tiny4_dir, tmp_path):
+    """The loop the monitor points to: train on some prompts, then `evaluate` the head as a configuration; the run
+    names the head (its directory's hash, the target it derives from, the data it was trained on)."""
+    from test_evaluate import run_configs
+
+    out = tmp_path / "head"
+    assert train_cli(jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS]), out, tiny4_dir) == 0
+    run = run_configs(
+        tiny4_dir, tmp_path, f"configs:\n  - {{name: base}}\n  - {{name: head, drafter: 'eagle:{out}', k: 3}}\n"
+    )
+    assert run.analysis.configs == ["base", "head"]
+    assert all(r.error is None for r in run.records), [r.error for r in run.records if r.error]
+    identity = run.provenance.configs["head"].draft_identity
+    summary = json.loads((out / "training.json").read_text())
+    assert identity["name"] == f"eagle:{out}" and identity["trained_on"] == summary["data_sha256"]
+    assert identity["derived_from"] == summary["target_sha256"] and len(identity["sha256"]) == 64
