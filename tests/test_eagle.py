@@ -128,7 +128,7 @@ def test_greedy_output_equals_plain_on_the_embedded_model(embedded, tmp_path):
         tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False) for c in chats
     ]
     examples = D.collect(embedded, ids, max_new_tokens=48)
-    head = head_for(embedded, examples, 512, 6, tmp_path, lr=3e-3, held_out=0.25)
+    head = head_for(embedded, examples, 512, 12, tmp_path, lr=1e-3, batch_tokens=128, held_out=0.25)
     params = SamplingParams(max_new_tokens=48)
     plain = [
         r.token_ids
@@ -138,7 +138,7 @@ def test_greedy_output_equals_plain_on_the_embedded_model(embedded, tmp_path):
         engine = Engine(embedded, drafter=f"eagle:{head}", k=k, max_batch=batch)
         results = engine.generate([[{"role": "user", "content": c}] for c in chats], params)
         assert [r.token_ids for r in results] == plain, k
-        assert sum(r.stats.accepted for r in results) > 0
+        assert sum(r.stats.accepted for r in results) > (8 if k == 4 else 0), k  # drafts accepted: not vacuous
 
 
 @pytest.fixture(scope="module")

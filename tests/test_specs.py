@@ -33,7 +33,8 @@ def test_drafter_grammar_accepts(spec):
 @pytest.mark.parametrize(
     "spec, needle",
     [
-        ("eagle", "unknown drafter 'eagle'"),
+        ("medusa", "unknown drafter 'medusa'"),
+        ("eagle", "eagle:PATH needs the directory of a trained head"),
         ("ngram:x", "whole number"),
         ("ngram:0", "whole number"),
         ("model:", "needs a path"),
