@@ -31,8 +31,18 @@ from specwise.engine.kernels import describe
 from specwise.speccounts import SpecCounts
 
 
+def acceptance(target, head: Path, examples, k: int) -> float:
+    """Mean acceptance length at k greedy drafts of the head in `head` on `examples` (every chain start)."""
+    model = target.model
+    loaded = E.load(head, model)
+    to_draft = torch.full((model.cfg.vocab_size,), -1, dtype=torch.int64)
+    to_draft[loaded.draft_ids] = torch.arange(loaded.draft_ids.numel())
+    return T.measure(loaded, examples, to_draft, k, 2048)[0]
+
+
 def train_head(target, examples, vocab_size: int, options: T.TrainOptions, out: Path) -> tuple[Path, float, float]:
-    """(directory, seconds, final held-out acceptance length) of a head trained on `examples`."""
+    """(directory, seconds, final acceptance length on its training call's own held-out part) of a head trained on
+    `examples`."""
     t0 = time.perf_counter()
     ids, _ = D.draft_vocabulary(examples, vocab_size)
     model = target.model
@@ -104,14 +114,16 @@ def main() -> int:
             f"trained in {seconds:.0f} s; collection + training {collected + seconds:.0f} s "
             f"({(collected + seconds) / 60:.1f} min) on {tokens} target tokens; held-out acceptance length {tau:.2f}"
         )
-        curve = [(tokens, tau)]
-        for share in [float(x) for x in args.curve.split(",") if x]:
-            part = examples[: max(4, round(share * len(examples)))]
+        # The curve: heads trained on shares of one pool, all measured on the same prompts held out of it.
+        pool, common = T.split(examples, options.held_out, options.seed + 1)
+        curve = []
+        for share in [float(x) for x in args.curve.split(",") if x] + [1.0]:
+            part = pool[: max(4, round(share * len(pool)))]
             n = sum(ex.answer_len for ex in part)
             print(f"curve: {len(part)} prompts ({n} tokens)")
-            _, _, t = train_head(target, part, args.draft_vocab, options, Path(args.out + f"-{share}"))
-            curve.append((n, t))
-        print("\nheld-out acceptance length (k=4, training split's held-out part) against training tokens:")
+            d, _, _ = train_head(target, part, args.draft_vocab, options, Path(args.out + f"-{share}"))
+            curve.append((n, acceptance(target, d, common, options.k)))
+        print(f"\nacceptance length (k={options.k}) on {len(common)} prompts held out of every curve head's data:")
         for n, t in sorted(curve):
             print(f"  {n:7d} tokens  {t:.2f}")
     evaluation = [chat(p) for p in CHAT]
