@@ -33,26 +33,14 @@ from specwise.speccounts import SpecCounts
 
 def acceptance(target, head: Path, examples, k: int) -> float:
     """Mean acceptance length at k greedy drafts of the head in `head` on `examples` (every chain start)."""
-    model = target.model
-    loaded = E.load(head, model)
-    to_draft = torch.full((model.cfg.vocab_size,), -1, dtype=torch.int64)
-    to_draft[loaded.draft_ids] = torch.arange(loaded.draft_ids.numel())
-    return T.measure(loaded, examples, to_draft, k, 2048)[0]
+    return T.measure(E.load(head, target.model), examples, k)[0]
 
 
 def train_head(target, examples, vocab_size: int, options: T.TrainOptions, out: Path) -> tuple[Path, float, float]:
     """(directory, seconds, final acceptance length on its training call's own held-out part) of a head trained on
     `examples`."""
     t0 = time.perf_counter()
-    ids, _ = D.draft_vocabulary(examples, vocab_size)
-    model = target.model
-    spec = E.HeadSpec(
-        model.cfg,
-        D.eagle_layers(model.num_layers),
-        int(ids.numel()),
-        provenance={"target_sha256": E.target_origin(target), "data_sha256": T.data_sha256(examples)},
-    )
-    head = E.new_head(spec, ids, model)
+    head = T.untrained_head(target, examples, vocab_size)
     history = T.train(head, examples, options, progress=False, report=lambda r: print(f"  {r}", flush=True))
     E.save(head, out, options.k)
     return out, time.perf_counter() - t0, history.epochs[-1].acceptance_length

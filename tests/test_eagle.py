@@ -34,15 +34,7 @@ def examples_for(target, prompts: list[str], new: int) -> list[D.Example]:
 
 def head_for(target, examples, vocab: int, epochs: int, tmp_path, name: str = "head", **opts):
     """A head trained for `epochs` (0: untrained) and saved; its directory."""
-    ids, _ = D.draft_vocabulary(examples, vocab)
-    model = target.model
-    spec = E.HeadSpec(
-        model.cfg,
-        D.eagle_layers(model.num_layers),
-        int(ids.numel()),
-        provenance={"target_sha256": E.target_origin(target)},
-    )
-    head = E.new_head(spec, ids, model)
+    head = T.untrained_head(target, examples, vocab)
     if epochs:
         T.train(head, examples, T.TrainOptions(epochs=epochs, **opts), progress=False)
     out = tmp_path / name
@@ -86,12 +78,9 @@ def test_training_raises_acceptance(tiny4, tmp_path):
     """One epoch of training gives a higher held-out acceptance length, and more accepted drafts in the engine,
     than the untrained head."""
     examples = examples_for(tiny4, PROMPTS * 2, 40)
-    vocab, _ = D.draft_vocabulary(examples, 64)
-    to_draft = torch.full((tiny4.model.cfg.vocab_size,), -1, dtype=torch.int64)
-    to_draft[vocab] = torch.arange(vocab.numel())
     untrained = head_for(tiny4, examples, 64, 0, tmp_path, "untrained")
     trained = head_for(tiny4, examples, 64, 1, tmp_path, "trained", lr=1e-2, batch_tokens=64)
-    tau = [T.measure(E.load(d, tiny4.model), examples, to_draft, 4, 512)[0] for d in (untrained, trained)]
+    tau = [T.measure(E.load(d, tiny4.model), examples, 4, 512)[0] for d in (untrained, trained)]
     assert tau[1] > tau[0] + 0.2, tau
     accepted = []
     for d in (untrained, trained):
@@ -212,4 +201,5 @@ def test_the_head_is_the_drafts_identity(tiny4, tiny4_head):
     engine = Engine(tiny4, drafter=f"eagle:{tiny4_head}", k=2)
     prov = engine.drafter.provenance(tiny4.identity.sha256)
     assert prov["name"] == f"eagle:{tiny4_head}" and prov["derived_from"] == E.target_origin(tiny4)
-    assert len(prov["sha256"]) == 64 and prov["trained_on"] == ""  # this test's head records no training data
+    recorded = json.loads((tiny4_head / E.CONFIG).read_text())["specwise"]["data_sha256"]
+    assert len(prov["sha256"]) == 64 and len(recorded) == 64 and prov["trained_on"] == recorded

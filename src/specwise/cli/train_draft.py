@@ -186,22 +186,22 @@ def run(args: argparse.Namespace) -> int:
         torch.save({"key": key, "examples": examples}, cached)
     collected = time.perf_counter() - t0
     answer_tokens = sum(ex.answer_len for ex in examples)
-    vocab, coverage = D.draft_vocabulary(examples, args.draft_vocab)
-    provenance = {
-        "target_sha256": E.target_origin(target),
-        "target_name": target.identity.name,
-        "data_sha256": T.data_sha256(examples),
-        "data_source": str(source),
-        "prompts": len(examples),
-        "answer_tokens": answer_tokens,
-        "draft_vocab_coverage": round(coverage, 4),
-        "options": {**vars(options), "max_tokens": args.max_tokens},
-    }
-    spec = E.HeadSpec(model.cfg, layers, int(vocab.numel()), provenance=provenance)
-    head = E.new_head(spec, vocab, model)
+    head = T.untrained_head(
+        target,
+        examples,
+        args.draft_vocab,
+        {
+            "target_name": target.identity.name,
+            "data_source": str(source),
+            "prompts": len(examples),
+            "answer_tokens": answer_tokens,
+            "options": {**vars(options), "max_tokens": args.max_tokens},
+        },
+    )
+    provenance = head.spec.provenance
     print(
-        f"training on {answer_tokens} answer tokens (draft vocabulary {vocab.numel()}, covering "
-        f"{coverage:.1%} of them) …",
+        f"training on {answer_tokens} answer tokens (draft vocabulary {head.spec.draft_vocab}, covering "
+        f"{provenance['draft_vocab_coverage']:.1%} of them) …",
         file=sys.stderr,
     )
 

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from specwise.engine import eagle as E
-from specwise.engine.draft_data import Example
+from specwise.engine.draft_data import Example, draft_vocabulary, eagle_layers
 from specwise.errors import SpecwiseError
 from specwise.specs import TrainOptions
 
@@ -82,22 +82,50 @@ class Batch:
     lengths: torch.Tensor  # (B,) positions per row
 
 
-def make_batches(examples: list[Example], to_draft: torch.Tensor, batch_tokens: int, shuffle: random.Random | None):
-    """Padded batches of whole examples, by length (similar lengths together), each ≤ batch_tokens positions."""
+def groups(examples: list[Example], batch_tokens: int) -> list[list[int]]:
+    """Examples by length (similar lengths together) in groups whose padded batch is ≤ batch_tokens positions."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
-    groups: list[list[int]] = []
+    out: list[list[int]] = []
     for i in order:
         n = len(examples[i].tokens) - 2
         if n < 1:
             continue
-        if groups and (len(groups[-1]) + 1) * max(n, len(examples[groups[-1][-1]].tokens) - 2) <= batch_tokens:
-            groups[-1].append(i)
+        if out and (len(out[-1]) + 1) * max(n, len(examples[out[-1][-1]].tokens) - 2) <= batch_tokens:
+            out[-1].append(i)
         else:
-            groups.append([i])
+            out.append([i])
+    return out
+
+
+def make_batches(examples: list[Example], to_draft: torch.Tensor, batch_tokens: int, shuffle: random.Random | None):
+    """Padded batches of whole examples (`groups`), in a shuffled order when given a generator."""
+    order = groups(examples, batch_tokens)
     if shuffle is not None:
-        shuffle.shuffle(groups)
-    for g in groups:
+        shuffle.shuffle(order)
+    for g in order:
         yield _batch([examples[i] for i in g], to_draft)
+
+
+def draft_index(head: E.EagleHead) -> torch.Tensor:
+    """Target id → draft id (−1 outside the head's draft vocabulary)."""
+    index = torch.full((head.spec.cfg.vocab_size,), -1, dtype=torch.int64)
+    index[head.draft_ids] = torch.arange(head.draft_ids.numel())
+    return index
+
+
+def untrained_head(target, examples: list[Example], vocab_size: int, provenance: dict | None = None) -> E.EagleHead:
+    """A new head for `target` over the draft vocabulary of `examples` (`draft_data.draft_vocabulary`), recording
+    the target's and the data's hashes (and `provenance`)."""
+    model = target.model
+    ids, coverage = draft_vocabulary(examples, vocab_size)
+    record = {
+        "target_sha256": E.target_origin(target),
+        "data_sha256": data_sha256(examples),
+        "draft_vocab_coverage": round(coverage, 4),
+        **(provenance or {}),
+    }
+    spec = E.HeadSpec(model.cfg, eagle_layers(model.num_layers), int(ids.numel()), provenance=record)
+    return E.new_head(spec, ids, model)
 
 
 def _batch(exs: list[Example], to_draft: torch.Tensor) -> Batch:
@@ -149,8 +177,9 @@ def loss_of(head: E.EagleHead, b: Batch, steps: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(head: E.EagleHead, examples: list[Example], to_draft: torch.Tensor, k: int, batch_tokens: int):
+def measure(head: E.EagleHead, examples: list[Example], k: int, batch_tokens: int = 2048):
     """(mean acceptance length at k greedy drafts, per-step teacher-forced accuracy) on `examples`."""
+    to_draft = draft_index(head)
     lengths: list[float] = []
     hits = torch.zeros(k)
     counts = torch.zeros(k)
@@ -200,16 +229,14 @@ def train(
     options.check()
     torch.manual_seed(options.seed)
     train_set, held = split(examples, options.held_out, options.seed)
-    vocab = head.spec.cfg.vocab_size
-    to_draft = torch.full((vocab,), -1, dtype=torch.int64)
-    to_draft[head.draft_ids] = torch.arange(head.draft_ids.numel())
+    to_draft = draft_index(head)
     with torch.no_grad():  # each feature channel at unit RMS over the training positions (folded into fc on saving)
         sq = torch.stack([ex.features.float().pow(2).sum(0).flatten() for ex in train_set]).sum(0)
         n = sum(ex.features.shape[0] for ex in train_set)
         head.feature_scale.copy_(torch.rsqrt(sq / n + 1e-6))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    total_batches = sum(1 for _ in make_batches(train_set, to_draft, options.batch_tokens, None))
+    total_batches = len(groups(train_set, options.batch_tokens))
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(options.epochs * total_batches))
     history = History()
     start_epoch = 0
@@ -225,8 +252,8 @@ def train(
             start_epoch = len(history.epochs)
             print(f"resuming from {ckpt} after epoch {start_epoch}", file=sys.stderr)
     shuffle = random.Random(options.seed)
-    for _ in range(start_epoch):  # the same batch order as an uninterrupted run
-        list(make_batches(train_set, to_draft, options.batch_tokens, shuffle))
+    for _ in range(start_epoch):  # the same batch order as an uninterrupted run (the shuffles it made)
+        shuffle.shuffle(groups(train_set, options.batch_tokens))
     for epoch in range(start_epoch, options.epochs):
         t0 = time.perf_counter()
         head.train()
@@ -251,7 +278,7 @@ def train(
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         bar.close()
         head.eval()
-        tau, acc = measure(head, held, to_draft, options.k, options.batch_tokens)
+        tau, acc = measure(head, held, options.k, options.batch_tokens)
         rep = EpochReport(epoch + 1, sum(losses) / max(len(losses), 1), tau, acc, time.perf_counter() - t0)
         history.epochs.append(rep)
         if ckpt is not None:

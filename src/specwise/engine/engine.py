@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Sequence_  # `Sequence` here is the engine's request state
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -171,6 +172,7 @@ class Engine:
         self.cache_len = cache_len
         self.costs = CostModel()
         self.drafters: dict[str, Drafter] = {}  # every drafter a request may name; the first is the default
+        self.readers: dict[str, Any] = {}  # those of them that read the target's hidden states (an EAGLE head)
         self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.k_limit: int | None = None  # … and may cap the draft length (a per-load k table)
@@ -192,6 +194,8 @@ class Engine:
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, self.target, self.max_batch, self.cache_len)
         self.drafters.setdefault(drafter.name, drafter)
+        if getattr(self.drafters[drafter.name], "feature_layers", None):  # it reads the target's hidden states
+            self.readers[drafter.name] = self.drafters[drafter.name]
         if not self.costs.passes:
             self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         return self.drafters[drafter.name]
@@ -435,17 +439,28 @@ class Engine:
         return chunks
 
     def _forward(
-        self, tokens: list[int], positions: list[int], slots: list[int], out_rows: list[int] | None = None
-    ) -> torch.Tensor:
-        """One target pass over any tokens at (slot, position); logits of `out_rows` (all rows when None)."""
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        out_rows: list[int] | None = None,
+        layers: tuple[int, ...] = (),
+        feature_rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass over any tokens at (slot, position): logits of `out_rows` (all rows when None) and, when
+        `layers` are asked for, the hidden states of `feature_rows` entering them (None otherwise)."""
         dev = self.device
-        return self.model.forward_tokens(
+        args = (
             self.cache,
             torch.tensor(tokens, device=dev),
             torch.tensor(positions, device=dev),
             torch.tensor(slots, device=dev),
             None if out_rows is None else torch.tensor(out_rows),
         )
+        if not layers:
+            return self.model.forward_tokens(*args), None
+        assert isinstance(self.model, NativeDecoder)  # a drafter that reads features is built for native targets
+        return self.model.forward_features(*args, layers, torch.tensor(feature_rows))
 
     def _pass(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[StreamEvent]:
         ks = self._plan(seqs) if seqs else []
@@ -494,32 +509,20 @@ class Engine:
                 firsts.append((seq, len(out_rows)))
                 out_rows.append(len(tokens) - 1)
         # Rows whose drafter reads the target's hidden states (a learned head): every row of their sequences.
-        rowsets = [
-            (s, at, len(d.tokens) + 1, len(s.token_ids) - 1) for s, d, at in zip(seqs, drafts, starts, strict=True)
-        ]
-        rowsets += [(s, r, b - a, p) for (s, a, b), (r, p) in zip(chunks, chunk_rows, strict=True)]
-        readers = [row for row in rowsets if self._reader(row[0]) is not None]
-        features: dict[int, torch.Tensor] = {}  # id(sequence) → its rows' features, in pass order
-        if readers:
-            layers = tuple(sorted({x for seq, *_ in readers for x in self._reader(seq).feature_layers}))
-            rows = [r for _, first, n, _ in readers for r in range(first, first + n)]
-            assert isinstance(self.model, NativeDecoder)  # an eagle drafter is built for native targets only
-            logits, feats = self.model.forward_features(
-                self.cache,
-                torch.tensor(tokens),
-                torch.tensor(positions),
-                torch.tensor(slots),
-                torch.tensor(out_rows),
-                layers,
-                torch.tensor(rows),
-            )
-            at = 0
-            for seq, _, n, _ in readers:
-                pick = [layers.index(x) for x in self._reader(seq).feature_layers]
-                features[id(seq)] = feats[at : at + n, pick]
-                at += n
-        else:
-            logits = self._forward(tokens, positions, slots, out_rows)
+        readers: list[tuple[Sequence, Any, int, int]] = []  # (sequence, its drafter, first row, rows)
+        if self.readers:
+            rowsets = [(s, at, len(d.tokens) + 1) for s, d, at in zip(seqs, drafts, starts, strict=True)]
+            rowsets += [(s, r, b - a) for (s, a, b), (r, _) in zip(chunks, chunk_rows, strict=True)]
+            readers = [(s, self.readers[s.drafter], at, n) for s, at, n in rowsets if s.drafter in self.readers]
+        layers = tuple(sorted({x for _, d, _, _ in readers for x in d.feature_layers}))
+        rows = [r for _, _, first, n in readers for r in range(first, first + n)]
+        logits, feats = self._forward(tokens, positions, slots, out_rows, layers, rows)
+        features: dict[int, tuple[Any, torch.Tensor]] = {}  # id(sequence) → (its drafter, its rows' features)
+        at = 0
+        for seq, drafter, _, n in readers:
+            assert feats is not None
+            features[id(seq)] = (drafter, feats[at : at + n, [layers.index(x) for x in drafter.feature_layers]])
+            at += n
         verdicts = []
         row_logprobs: list[list[TokenLogprob] | None] = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=False)):
@@ -542,13 +545,15 @@ class Engine:
                 start = len(seq.token_ids) - 1
                 events.append(self._commit(seq, [*draft.tokens[: verdict.accepted], verdict.token], lps))
                 if id(seq) in features:  # the committed rows only: the pending token and the accepted drafts
-                    self._reader(seq).observe_features(seq.slot, start, features[id(seq)][: verdict.accepted + 1])
+                    drafter, rows_of = features[id(seq)]
+                    drafter.observe_features(seq.slot, start, rows_of[: verdict.accepted + 1])
             except Exception as exc:
                 self._fault(seq, exc)
         for (seq, _, _), (_, position) in zip(chunks, chunk_rows, strict=True):
             if id(seq) in features:
                 try:
-                    self._reader(seq).observe_features(seq.slot, position, features[id(seq)])
+                    drafter, rows_of = features[id(seq)]
+                    drafter.observe_features(seq.slot, position, rows_of)
                 except Exception as exc:
                     self._fault(seq, exc)
         for (seq, _), (verdict, lps) in zip(firsts, firsts_verdicts, strict=True):
@@ -560,11 +565,6 @@ class Engine:
             except Exception as exc:
                 self._fault(seq, exc)
         return events
-
-    def _reader(self, seq: Sequence):
-        """The drafter of `seq` when it reads the target's hidden states (declares feature_layers), else None."""
-        drafter = self.drafters.get(seq.drafter) if seq.drafter is not None else None
-        return drafter if getattr(drafter, "feature_layers", None) else None
 
     def _verify(self, seq: Sequence, draft: Draft, scores: torch.Tensor) -> tuple[Verdict, list[TokenLogprob] | None]:
         """Verify one row's draft against its (k+1, V) target logits: the verdict, and the emitted tokens' logprobs

@@ -8,6 +8,9 @@ distribution of each (q for rejection sampling). A rejected token's cache entrie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 import torch
 
@@ -16,6 +19,7 @@ from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.noise import DRAFT
 from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
 
+S = TypeVar("S")
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
 
 
@@ -33,6 +37,32 @@ def choose(seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, 
     else:
         token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
     return token, q
+
+
+def chain(
+    seqs: list[SequenceView],
+    ks: list[int],
+    state: dict[int, S],
+    pick: Callable[[SequenceView, S, int], tuple[int, np.ndarray | None]],
+    step: Callable[[list[int], list[Draft], dict[int, S]], dict[int, S]],
+) -> list[Draft]:
+    """Autoregressive drafting, one token at a time: `state` holds each drafting row's first model output, `pick`
+    turns a row's output into its next token (and q), `step(wanting, drafts, state)` runs the model one token further
+    for the rows that still want more — until each row i has ks[i] tokens. Rows without a state draft nothing."""
+    drafts = [Draft([], None) for _ in seqs]
+    probs: list[list[np.ndarray]] = [[] for _ in seqs]
+    while state:
+        for i, out in state.items():
+            token, q = pick(seqs[i], out, len(drafts[i].tokens))
+            drafts[i].tokens.append(token)
+            if q is not None:
+                probs[i].append(q)
+        wanting = [i for i in state if len(drafts[i].tokens) < ks[i]]
+        state = step(wanting, drafts, state) if wanting else {}
+    for d, p in zip(drafts, probs, strict=True):
+        if p:
+            d.probs = torch.from_numpy(np.stack(p))  # (k, V)
+    return drafts
 
 
 class ModelDrafter:
@@ -89,11 +119,7 @@ class ModelDrafter:
         )
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
-        drafts = [Draft([], None) for _ in seqs]
-        probs: list[list[np.ndarray]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        if not active:
-            return drafts
         # 1. Catch up on unseen tokens; new prompts alone, the rest batched.
         pending = {}
         for i in active:
@@ -110,21 +136,13 @@ class ModelDrafter:
                     last_logits[i] = row
         for i in active:
             self.seen[seqs[i].slot] += pending[i][1]
+
         # 2. Draft one token at a time for the rows that still want more.
-        while True:
-            for i in list(last_logits):
-                token, p = choose(seqs[i], last_logits[i], len(drafts[i].tokens))
-                drafts[i].tokens.append(token)
-                if p is not None:
-                    probs[i].append(p)
-            wanting = [i for i in last_logits if len(drafts[i].tokens) < ks[i]]
-            if not wanting:
-                break
+        def step(wanting: list[int], drafts: list[Draft], _: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             rows = [(seqs[i].slot, [drafts[i].tokens[-1]], len(self.seen[seqs[i].slot])) for i in wanting]
-            last_logits = dict(zip(wanting, self._forward(rows), strict=False))
+            out = dict(zip(wanting, self._forward(rows), strict=False))
             for i in wanting:
                 self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
-        for i in active:
-            if probs[i]:
-                drafts[i].probs = torch.from_numpy(np.stack(probs[i]))  # (k, V)
-        return drafts
+            return out
+
+        return chain(seqs, ks, last_logits, choose, step)

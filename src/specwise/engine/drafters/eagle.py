@@ -17,10 +17,12 @@ import torch
 
 from specwise.engine import eagle as E
 from specwise.engine.drafters.base import Draft, SequenceView
-from specwise.engine.drafters.draft_model import choose
+from specwise.engine.drafters.draft_model import chain, choose
 from specwise.engine.native import NativeDecoder
 from specwise.errors import SpecwiseError
 from specwise.identity import directory_sha256
+
+Out = tuple[torch.Tensor, torch.Tensor]  # a row's draft logits and the head's hidden state before its norm
 
 
 class EagleDrafter:
@@ -90,14 +92,12 @@ class EagleDrafter:
         return full
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
-        drafts = [Draft([], None) for _ in seqs]
-        probs: list[list[np.ndarray]] = [[] for _ in seqs]
         rows: dict[int, tuple[int, torch.Tensor]] = {}
         for i, k in enumerate(ks):
             if k > 0 and (r := self._rows(seqs[i])) is not None and r[1].shape[0] > 0:
                 rows[i] = r
         if not rows:
-            return drafts
+            return [Draft([], None) for _ in seqs]
         # 1. Catch up: every unseen committed position of every row in one pass; each row's last drafts token 1.
         tokens: list[int] = []
         positions: list[int] = []
@@ -121,29 +121,20 @@ class EagleDrafter:
             first, held = self.feats[seqs[i].slot]
             keep = torch.cat(held)[self.done[seqs[i].slot] - first :]  # only what a later catch-up may need
             self.feats[seqs[i].slot] = (self.done[seqs[i].slot], [keep] if keep.shape[0] else [])
+
         # 2. The chain: each step feeds the head its own hidden state and the token it just drafted.
-        while True:
-            for i, (lg, _) in out.items():
-                token, q = self._pick(seqs[i], lg, len(drafts[i].tokens))
-                drafts[i].tokens.append(token)
-                if q is not None:
-                    probs[i].append(q)
-            wanting = [i for i in out if len(drafts[i].tokens) < ks[i]]
-            if not wanting:
-                break
+        def step(wanting: list[int], drafts: list[Draft], last: dict[int, Out]) -> dict[int, Out]:
             logits, pre = self.runner.step(
                 self.cache,
                 torch.tensor([drafts[i].tokens[-1] for i in wanting]),
                 torch.tensor([len(seqs[i].token_ids) - 2 + len(drafts[i].tokens) for i in wanting]),
                 torch.tensor([seqs[i].slot for i in wanting]),
-                torch.stack([out[i][1] for i in wanting]),
+                torch.stack([last[i][1] for i in wanting]),
                 True,
             )
-            out = {i: (logits[j], pre[j]) for j, i in enumerate(wanting)}
-        for i in active:
-            if probs[i]:
-                drafts[i].probs = torch.from_numpy(np.stack(probs[i]))  # (k, V): zero outside the draft vocabulary
-        return drafts
+            return {i: (logits[j], pre[j]) for j, i in enumerate(wanting)}
+
+        return chain(seqs, ks, out, lambda seq, o, n: self._pick(seq, o[0], n), step)  # q: zero outside the vocabulary
 
     def _pick(self, seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, np.ndarray | None]:
         if seq.params.greedy:
