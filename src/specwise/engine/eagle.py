@@ -381,11 +381,11 @@ def check_target(spec: HeadSpec, target, directory: Path) -> None:
     want = spec.provenance.get("target_sha256")
     if not want:
         return  # a head from elsewhere (speculators, SpecForge): the shapes were checked, nothing more is known
-    mine = {target_origin(target), target.identity.source_sha256, target.identity.sha256}
-    if want not in mine:
+    origin = target_origin(target)
+    if want not in {origin, target.identity.source_sha256, target.identity.sha256}:
         raise SpecwiseError(
             f"eagle:{directory} was trained for target {want[:12]}…, not this one ({target.identity.name}, "
-            f"{target_origin(target)[:12]}…): train a head for this target with `specwise train-draft`"
+            f"{origin[:12]}…): train a head for this target with `specwise train-draft`"
         )
 
 
@@ -397,27 +397,25 @@ def new_head(spec: HeadSpec, draft_ids: torch.Tensor, target: NativeDecoder, see
     return head
 
 
-def load(directory: Path, target: NativeDecoder) -> EagleHead:
-    """The head in torch, its embedding the target's."""
+def load(directory: Path, target: NativeDecoder, embedding: bool = True) -> EagleHead:
+    """The head in torch, its embedding the target's (dequantised, for running it in torch); without `embedding`
+    only the weights, to pack for the kernels (which read the target's own packed table)."""
     spec, ids, tensors = read(directory, target.cfg)
-    head = EagleHead(spec, ids, target.weights.embed.dequantize())
+    head = EagleHead(spec, ids, target.weights.embed.dequantize() if embedding else torch.empty(0, spec.hidden))
     head.load_state(tensors)
     return head
 
 
-@dataclass
 class NativeHead:
-    """The head on the target's CPU kernels, its linear layers packed in `precision`; the target's embedding table
-    shared, not copied. `step` is one pass over any rows, from fused target features or from a hidden state."""
+    """The head on the target's CPU kernels, its linear layers packed in `precision` (the torch head is not kept);
+    the target's embedding table shared, not copied. `step` is one pass over any rows, from fused target features or
+    from a hidden state."""
 
-    head: EagleHead
-    target: NativeDecoder
-    precision: str = "int8"
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise SpecwiseError(f"a head runs in {self.precision!r}? allowed: {', '.join(PRECISIONS)}")
-        h, c = self.head, self.target.cfg
+    def __init__(self, head: EagleHead, target: NativeDecoder, precision: str = "int8"):
+        if precision not in PRECISIONS:
+            raise SpecwiseError(f"a head runs in {precision!r}? allowed: {', '.join(PRECISIONS)}")
+        self.target, self.precision = target, precision
+        h, c = head, target.cfg
         self.spec = h.spec
         self.lib = self.target.lib
         act = "int8" if self.precision == "int8" else "float32"

@@ -33,7 +33,7 @@ class EagleDrafter:
         if not isinstance(model, NativeDecoder):
             raise SpecwiseError("eagle drafting needs a Llama-family target on the CPU kernels (our decoder)")
         directory = Path(path).expanduser()
-        head = E.load(directory, model)
+        head = E.load(directory, model, embedding=False)  # the kernels read the target's own table
         E.check_target(head.spec, target, directory)
         self.name = f"eagle:{path}"
         self.directory = directory
