@@ -151,3 +151,14 @@ def test_evaluate_runs_a_trained_head_and_records_it_as_the_drafts_identity(tiny
     summary = json.loads((out / "training.json").read_text())
     assert identity["name"] == f"eagle:{out}" and identity["trained_on"] == summary["data_sha256"]
     assert identity["derived_from"] == summary["target_sha256"] and len(identity["sha256"]) == 64
+
+
+def test_a_long_prompt_within_the_targets_context_is_read(tiny4_dir, tmp_path):
+    """Prompts are held to the target's context, not to a smaller encoder's: 1,500 tokens fit 2,048; 3,000 are
+    refused before anything is written."""
+    too_long = [{"prompt": "abc " * 750}, {"prompt": "hello world"}]
+    assert train_cli(jsonl(tmp_path / "long.jsonl", too_long), tmp_path / "no", tiny4_dir) == 2
+    assert not (tmp_path / "no").exists()
+    rows = [{"prompt": "abc " * 375}, {"prompt": "hello world"}, {"prompt": "the cat"}]
+    assert train_cli(jsonl(tmp_path / "p.jsonl", rows), tmp_path / "head", tiny4_dir, "--epochs", "1") == 0
+    assert json.loads((tmp_path / "head" / "training.json").read_text())["prompts"] == 3

@@ -167,8 +167,14 @@ def run(args: argparse.Namespace) -> int:
         raise SpecwiseError("a draft head is trained for a Llama-family target on the CPU kernels (our decoder)")
     if args.draft_vocab < 1 or args.draft_vocab > model.cfg.vocab_size:
         raise SpecwiseError(f"--draft-vocab {args.draft_vocab} is not allowed: give 1..{model.cfg.vocab_size}")
-    encoder = Engine(target, max_batch=1, max_len=64)
+    encoder = Engine(target, max_batch=1)  # the target's own context limits which prompts are refused
     ids = [encoder.encode_prompt(p) for p in prompts]
+    for n, prompt_ids in enumerate(ids, 1):
+        if len(prompt_ids) + args.max_tokens > encoder.max_len:
+            raise SpecwiseError(
+                f"--from {source}: prompt {n} is {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} it "
+                f"exceeds the target's context of {encoder.max_len} tokens (shorten it or lower --max-tokens)"
+            )
     layers = D.eagle_layers(model.num_layers)  # refuses a target too small before anything is written
     key = hashlib.sha256(json.dumps([ids, args.max_tokens, E.target_origin(target)]).encode()).hexdigest()
     out.mkdir(parents=True, exist_ok=True)
