@@ -116,11 +116,9 @@ class EagleDrafter:
         )
         active = list(rows)
         out = {i: (logits[at], pre[at]) for i, at in zip(active, last, strict=True)}
-        for i in active:
+        for i in active:  # every committed position is in the head's cache now; the features handed are spent
             self.done[seqs[i].slot] = len(seqs[i].token_ids) - 1
-            first, held = self.feats[seqs[i].slot]
-            keep = torch.cat(held)[self.done[seqs[i].slot] - first :]  # only what a later catch-up may need
-            self.feats[seqs[i].slot] = (self.done[seqs[i].slot], [keep] if keep.shape[0] else [])
+            self.feats[seqs[i].slot] = (self.done[seqs[i].slot], [])
 
         # 2. The chain: each step feeds the head its own hidden state and the token it just drafted.
         def step(wanting: list[int], drafts: list[Draft], last: dict[int, Out]) -> dict[int, Out]:
