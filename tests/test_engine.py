@@ -366,3 +366,43 @@ def test_a_request_k_is_held_to_the_engines_k_max_and_the_engines_own_k_raises_i
     (out,) = wide.generate("abc abc abc abc", SamplingParams(max_new_tokens=20))
     (plain,) = Engine(tiny).generate("abc abc abc abc", SamplingParams(max_new_tokens=20))
     assert out.token_ids == plain.token_ids
+
+
+class ThreadRecorder(FailingDrafter):
+    """Records torch's and the kernels' thread counts while the engine drafts (inside its step); may raise."""
+
+    name = "recorder"
+
+    def __init__(self, fail: bool = False):
+        self.seen: list[tuple[int, int]] = []
+        self.fail = fail
+
+    def propose(self, seqs, ks):
+        from specwise.engine import kernels
+
+        self.seen.append((torch.get_num_threads(), kernels.pool_threads()))
+        if self.fail:
+            raise RuntimeError("drafter broke")
+        return super().propose(seqs, ks)
+
+
+def test_a_kernels_step_runs_torch_at_one_thread_and_the_kernels_at_torchs_count(tiny):
+    """torch's idle OpenMP workers spin on the cores the kernels need (kernels.serial_torch): inside a step torch
+    runs at one thread, the kernels at the count the user gave torch, and after the step (even a failed one) torch
+    has that count again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        recorder = ThreadRecorder()
+        engine = Engine(tiny, drafter=recorder, k=2, max_batch=1)
+        (out,) = engine.generate("abc abc abc", SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert recorder.seen and set(recorder.seen) == {(1, 2)}
+        assert torch.get_num_threads() == 2
+        (plain,) = Engine(tiny).generate("abc abc abc", SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert out.token_ids == plain.token_ids
+        broken = Engine(tiny, drafter=ThreadRecorder(fail=True), k=2, max_batch=1)
+        with pytest.raises(RuntimeError, match="drafter broke"):
+            broken.generate("abc abc abc", SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -460,7 +460,7 @@ class NativeHead:
         s = self._structs[name]
         rc = self.lib.sw_gemm(
             ctypes.byref(s), x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.stride(0), int(accumulate),
-            torch.get_num_threads(),
+            K.pool_threads(),
         )  # fmt: skip
         if rc != 0:
             raise SpecwiseError("the kernels could not allocate their scratch memory")
@@ -516,7 +516,7 @@ class NativeHead:
         kv = K.SwKV(
             cache.k.data_ptr(), cache.v.data_ptr(), 0, cache.capacity, Hkv * cache.capacity * D, cache.capacity * D
         )
-        threads = torch.get_num_threads()
+        threads = K.pool_threads()
         need = threads * 8 * (cache.capacity + 16) + 64
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)

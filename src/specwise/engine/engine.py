@@ -8,6 +8,7 @@ steps, which is what the server's continuous batching builds on; `generate` and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -24,6 +25,7 @@ import torch
 from specwise.engine.cache import output_size
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
 from specwise.engine.drafters import Draft, Drafter, make_drafter
+from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise, fresh_seed
 from specwise.engine.request import RequestOptions
@@ -400,7 +402,8 @@ class Engine:
         chunks = self._prefill_chunks(bool(decoding), pool)
         saved = [(seq, seq.prefilled, seq.prefill_started) for seq, _, _ in chunks]
         try:
-            events = self._pass(decoding, chunks) if decoding or chunks else []
+            with self._kernels_step():
+                events = self._pass(decoding, chunks) if decoding or chunks else []
         except Exception:
             for seq, prefilled, started in saved:  # the shared part failed: leave every request as it was
                 seq.prefilled, seq.prefill_started = prefilled, started
@@ -712,8 +715,21 @@ class Engine:
 
     # --- measurement ----------------------------------------------------------------------------------------
 
+    def _kernels_step(self) -> contextlib.AbstractContextManager:
+        """Where every model of this engine runs on the kernels, torch at one thread for a step (kernels.serial_torch:
+        its idle OpenMP workers would spin on the cores the kernels' pool needs); else nothing changes."""
+        models = [self.model, *(getattr(d, "model", self.model) for d in self.drafters.values())]
+        if all(isinstance(m, NativeDecoder) for m in models):
+            return serial_torch()
+        return contextlib.nullcontext()
+
     def calibrate(self, repeats: int = 2) -> dict[int, float]:
-        """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs."""
+        """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs (as a
+        step runs them)."""
+        with self._kernels_step():
+            return self._calibrate(repeats)
+
+    def _calibrate(self, repeats: int) -> dict[int, float]:
         scratch = self.max_batch
         sizes = sorted({1, 2, 3, 5, self.k_max // 2 + 1, self.k_max + 1})
         self._forward([0] * 8, list(range(8)), [scratch] * 8)  # warm-up

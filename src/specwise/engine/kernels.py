@@ -6,8 +6,8 @@ runs is decided here and only here (`choose`): `$SPECWISE_KERNELS` = auto | gene
 taking the widest one this CPU has; a variant the CPU cannot execute is refused with the features it lacks (never
 a SIGILL). Every variant computes the same bits (kernels.h), so the variant is provenance, not part of a target's
 identity. The library runs its parallel sections on a small thread pool of its own (as many threads as torch is
-set to use). Weights are packed here into the block layouts; `PackedLinear` keeps the tensors alive and hands the
-kernels pointers.
+set to use: `pool_threads`). Weights are packed here into the block layouts; `PackedLinear` keeps the tensors
+alive and hands the kernels pointers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,36 @@ F32, BF16, Q8, Q4 = 0, 1, 2, 3
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
 ACTIVATIONS = ("float32", "int8")  # what the linear layers of Q8/Q4 weights multiply: see csrc/kernels.h
 MAX_INPUT = 65536  # the widest layer input the int8 path takes (SW_MAX_INPUT)
+
+
+_serial_threads = 0  # while `serial_torch` holds torch at one thread: the count the kernels keep
+
+
+def pool_threads() -> int:
+    """How many threads the kernels' pool runs a section on: torch's intra-op setting (the one knob a user sets,
+    `torch.set_num_threads`), or what it was when `serial_torch` took torch down to one thread."""
+    return _serial_threads or torch.get_num_threads()
+
+
+@contextmanager
+def serial_torch() -> Iterator[None]:
+    """Torch at one thread for the block, the kernels at the count torch had. After a parallel op (an argmax over
+    the vocabulary is one) torch's OpenMP workers spin for a while, and on a 2-core machine they take the cores
+    from the kernels' own pool in the pass that follows: measured on Zen 4, a one-token decode step 4.6 → 3.8 ms
+    and a 5-row verifying pass between draft-head steps 9.9 → 6.1 ms. The torch work of an engine step (sampling,
+    verification, a head's bookkeeping) is small enough for one thread. Nested blocks keep the outer count."""
+    global _serial_threads
+    if _serial_threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    _serial_threads = before
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        _serial_threads = 0
 
 
 class Unsupported(SpecwiseError):
@@ -520,7 +552,7 @@ def gemm(
     y = torch.empty(x.shape[0], lin.n)
     s = lin.struct(activations)
     rc = lib.sw_gemm(
-        ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0, threads or torch.get_num_threads()
+        ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0, threads or pool_threads()
     )
     if rc != 0:
         raise SpecwiseError("the kernels could not allocate their scratch memory")

@@ -468,7 +468,7 @@ class NativeDecoder:
         if layers:
             feat_layers = torch.tensor(layers, dtype=torch.int32)
             features = torch.empty(int(frows.shape[0]), len(layers), self.cfg.hidden_size)
-        threads = torch.get_num_threads()
+        threads = K.pool_threads()
         sw_cache = K.SwCache(
             cache.k.data_ptr(),
             cache.v.data_ptr(),
