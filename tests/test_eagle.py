@@ -74,12 +74,13 @@ def test_the_head_on_the_kernels_computes_the_torch_heads_chain(tiny4, tiny4_hea
         assert (step[0] - want[i][0, s + i]).abs().max() <= 1e-4 * scale, i
 
 
-def test_training_raises_acceptance(tiny4, tmp_path):
-    """One epoch of training gives a higher held-out acceptance length, and more accepted drafts in the engine,
-    than the untrained head."""
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_training_raises_acceptance(tiny4, tmp_path, precision):
+    """One epoch of training, in either precision, gives a higher held-out acceptance length, and more accepted
+    drafts in the engine, than the untrained head."""
     examples = examples_for(tiny4, PROMPTS * 2, 40)
     untrained = head_for(tiny4, examples, 64, 0, tmp_path, "untrained")
-    trained = head_for(tiny4, examples, 64, 1, tmp_path, "trained", lr=1e-2, batch_tokens=64)
+    trained = head_for(tiny4, examples, 64, 1, tmp_path, "trained", lr=1e-2, batch_tokens=64, precision=precision)
     tau = [T.measure(E.load(d, tiny4.model), examples, 4, 512)[0] for d in (untrained, trained)]
     assert tau[1] > tau[0] + 0.2, tau
     accepted = []

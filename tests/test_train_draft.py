@@ -16,6 +16,7 @@ from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine import draft_data as D
 from specwise.engine import draft_train as T
 from specwise.engine import eagle as E
+from specwise.errors import SpecwiseError
 from specwise.monitor.requestlog import LogEntry, RequestLog
 
 PROMPTS = ["hello world", "the cat sat on", "abcabc", "speculative", "a b c d e", "zzz top"]
@@ -162,3 +163,16 @@ def test_a_long_prompt_within_the_targets_context_is_read(tiny4_dir, tmp_path):
     rows = [{"prompt": "abc " * 375}, {"prompt": "hello world"}, {"prompt": "the cat"}]
     assert train_cli(jsonl(tmp_path / "p.jsonl", rows), tmp_path / "head", tiny4_dir, "--epochs", "1") == 0
     assert json.loads((tmp_path / "head" / "training.json").read_text())["prompts"] == 3
+
+
+def test_training_precision_auto_takes_bfloat16_only_where_the_cpu_has_it(tiny4_dir, tmp_path, capsys):
+    assert T.autocast_dtype("auto", frozenset({"avx2", "avx512f", "avx512_bf16"})) is torch.bfloat16
+    assert T.autocast_dtype("auto", frozenset({"amx_bf16"})) is torch.bfloat16
+    assert T.autocast_dtype("auto", frozenset({"avx2", "avx512f"})) is None  # emulated there: slower, not faster
+    assert T.autocast_dtype("float32", frozenset({"avx512_bf16"})) is None
+    assert T.autocast_dtype("bfloat16", frozenset()) is torch.bfloat16
+    with pytest.raises(SpecwiseError, match="precision must be one of auto, bfloat16, float32"):
+        T.TrainOptions(precision="float16").check()
+    src = jsonl(tmp_path / "p.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
+    assert train_cli(src, tmp_path / "out", tiny4_dir, "--precision", "half") == 2
+    assert "precision must be one of" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -104,6 +104,9 @@ def check_verify(method: object) -> str:
     return str(method)
 
 
+TRAIN_PRECISIONS = ("auto", "bfloat16", "float32")
+
+
 @dataclass
 class TrainOptions:
     """How `specwise train-draft` trains a head (engine.draft_train); every default stated here once. Chosen by
@@ -118,6 +121,9 @@ class TrainOptions:
     batch_tokens: int = 512  # padded positions per optimiser step
     held_out: float = 0.1  # share of the examples kept for measuring
     seed: int = 0
+    # The forward and backward passes' matrix products: bfloat16 (torch autocast; weights, optimiser and the held-out
+    # measurement stay fp32) or float32; auto: bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX).
+    precision: str = "auto"
 
     def check(self) -> None:
         bad = [
@@ -127,6 +133,7 @@ class TrainOptions:
             (1 <= self.k <= 16, "k must be 1..16"),
             (self.batch_tokens >= 64, "batch tokens must be at least 64"),
             (0 < self.held_out < 1, "the held-out share must be between 0 and 1"),
+            (self.precision in TRAIN_PRECISIONS, f"precision must be one of {', '.join(TRAIN_PRECISIONS)}"),
         ]
         for ok, what in bad:
             if not ok:

@@ -46,6 +46,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--held-out", type=float, default=d.held_out, help="share of the prompts kept for measuring")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded positions per optimiser step")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--precision",
+        default=d.precision,
+        help="matrix products in training: bfloat16, float32, or auto (bfloat16 where the CPU has AVX512-BF16 or AMX)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -146,7 +151,16 @@ def run(args: argparse.Namespace) -> int:
     from specwise.engine import eagle as E
     from specwise.engine.native import NativeDecoder
 
-    options = T.TrainOptions(args.epochs, args.lr, args.steps, args.k, args.batch_tokens, args.held_out, args.seed)
+    options = T.TrainOptions(
+        epochs=args.epochs,
+        lr=args.lr,
+        steps=args.steps,
+        k=args.k,
+        batch_tokens=args.batch_tokens,
+        held_out=args.held_out,
+        seed=args.seed,
+        precision=args.precision,
+    )
     options.check()
     if args.max_tokens < 2:
         raise SpecwiseError(f"--max-tokens {args.max_tokens} is not allowed: give at least 2")
