@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=12, help="held-out chat-like prompts decoded")
     ap.add_argument("--head", help="measure this head (a train-draft directory) instead of training one")
     ap.add_argument("--out", default="/tmp/specwise-bench-head", help="where the trained head is written")
-    ap.add_argument("--curve", default="0.125,0.25,0.5", help="shares of the data to train curve points on")
+    ap.add_argument("--curve", default="0.125,0.25,0.5", help="shares of the data for curve points (none: no curve)")
     args = ap.parse_args()
     target = load_target()
     tok = target.tokenizer
@@ -106,13 +106,14 @@ def main() -> int:
         # The curve: heads trained on shares of one pool, all measured on the same prompts held out of it.
         pool, common = T.split(examples, options.held_out, options.seed + 1)
         curve = []
-        for share in [float(x) for x in args.curve.split(",") if x] + [1.0]:
+        for share in [] if args.curve == "none" else [float(x) for x in args.curve.split(",") if x] + [1.0]:
             part = pool[: max(4, round(share * len(pool)))]
             n = sum(ex.answer_len for ex in part)
             print(f"curve: {len(part)} prompts ({n} tokens)")
             d, _, _ = train_head(target, part, args.draft_vocab, options, Path(args.out + f"-{share}"))
             curve.append((n, acceptance(target, d, common, options.k)))
-        print(f"\nacceptance length (k={options.k}) on {len(common)} prompts held out of every curve head's data:")
+        if curve:
+            print(f"\nacceptance length (k={options.k}) on {len(common)} prompts held out of every curve head's data:")
         for n, t in sorted(curve):
             print(f"  {n:7d} tokens  {t:.2f}")
     # Two evaluation sets: prompts of the training kind the head never saw (what the issue asks), and prompts.CHAT,
