@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -151,16 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from specwise.engine import eagle as E
     from specwise.engine.native import NativeDecoder
 
-    options = T.TrainOptions(
-        epochs=args.epochs,
-        lr=args.lr,
-        steps=args.steps,
-        k=args.k,
-        batch_tokens=args.batch_tokens,
-        held_out=args.held_out,
-        seed=args.seed,
-        precision=args.precision,
-    )
+    options = T.TrainOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(T.TrainOptions)})
     options.check()
     if args.max_tokens < 2:
         raise SpecwiseError(f"--max-tokens {args.max_tokens} is not allowed: give at least 2")

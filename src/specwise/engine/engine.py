@@ -175,6 +175,7 @@ class Engine:
         self.costs = CostModel()
         self.drafters: dict[str, Drafter] = {}  # every drafter a request may name; the first is the default
         self.readers: dict[str, Any] = {}  # those of them that read the target's hidden states (an EAGLE head)
+        self._serial = False  # steps run torch at one thread: set by add_drafter (`_kernels_step`)
         self.drafter: Drafter | None = self.add_drafter(drafter) if drafter is not None else None
         self.speculate = True  # the server's load policy turns drafting off for whole steps
         self.k_limit: int | None = None  # … and may cap the draft length (a per-load k table)
@@ -198,6 +199,8 @@ class Engine:
         self.drafters.setdefault(drafter.name, drafter)
         if getattr(self.drafters[drafter.name], "feature_layers", None):  # it reads the target's hidden states
             self.readers[drafter.name] = self.drafters[drafter.name]
+        models = [self.model, *(getattr(d, "model", self.model) for d in self.drafters.values())]
+        self._serial = all(isinstance(m, NativeDecoder) for m in models)  # `_kernels_step`
         if not self.costs.passes:
             self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         return self.drafters[drafter.name]
@@ -720,10 +723,7 @@ class Engine:
         (kernels.serial_torch: its idle OpenMP workers would spin on the cores the kernels' pool needs between a
         drafter's torch work and the pass; benchmarks/torch_threads.py: eagle k=4 1.34×, plain decoding unchanged
         within noise, so a plain engine keeps torch as it is)."""
-        models = [self.model, *(getattr(d, "model", self.model) for d in self.drafters.values())]
-        if self.drafters and all(isinstance(m, NativeDecoder) for m in models):
-            return serial_torch()
-        return contextlib.nullcontext()
+        return serial_torch() if self._serial else contextlib.nullcontext()
 
     def calibrate(self, repeats: int = 2) -> dict[int, float]:
         """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs (as a
