@@ -74,6 +74,38 @@ def test_the_head_on_the_kernels_computes_the_torch_heads_chain(tiny4, tiny4_hea
         assert (step[0] - want[i][0, s + i]).abs().max() <= 1e-4 * scale, i
 
 
+@pytest.mark.parametrize(
+    "row, needle",
+    [
+        ({"position": 32}, "a position outside its cache"),
+        ({"position": -1}, "a position outside its cache"),
+        ({"slot": 2}, "a slot outside its cache"),
+        ({"token": 10**6}, "a token id outside the vocabulary"),
+        ({"width": 7}, "of width"),
+    ],
+)
+def test_a_head_pass_refuses_rows_outside_its_cache_and_writes_nothing(tiny4, tiny4_head, row, needle):
+    """The head's one C call checks every row before it writes its cache: a bad row is a clear error, not a write
+    outside the cache, and the cache is as it was."""
+    model = tiny4.model
+    runner = E.NativeHead(E.load(tiny4_head, model, embedding=False), model)
+    cache = runner.new_cache(2, 32)
+    cache.k.zero_()
+    cache.v.zero_()
+    H = model.cfg.hidden_size
+    width = row.get("width", len(runner.spec.layers) * H)
+    with pytest.raises(SpecwiseError, match=needle):
+        runner.step(
+            cache,
+            torch.tensor([1, row.get("token", 2)]),
+            torch.tensor([0, row.get("position", 1)]),
+            torch.tensor([0, row.get("slot", 1)]),
+            torch.randn(2, width),
+            False,
+        )
+    assert not cache.k.any() and not cache.v.any()
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_training_raises_acceptance(tiny4, tmp_path, precision):
     """One epoch of training, in either precision, gives a higher held-out acceptance length, and more accepted

@@ -437,7 +437,19 @@ class NativeHead:
         names = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
         self._norms = {k: w[lay + k + ".weight"].contiguous() for k in names}
         self._norms["norm"] = w["norm.weight"].contiguous()
-        self.eps = c.rms_norm_eps
+        ptr = {k: ctypes.pointer(v) for k, v in self._structs.items()}
+        self._head = K.SwHead(
+            *(ptr[k] for k in ("fc", "qkv", "o", "gate_up", "down", "lm")),
+            ctypes.pointer(self._embed),
+            *(self._norms[k].data_ptr() for k in (*names, "norm")),
+            *(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size),
+            target.max_len,
+            len(self.spec.layers),
+            int(self.spec.norm_before_residual),
+            c.rms_norm_eps,
+            target.cos.data_ptr(),
+            target.sin.data_ptr(),
+        )
         self._scratch = torch.empty(0)
 
     def nbytes(self) -> int:
@@ -456,21 +468,6 @@ class NativeHead:
             capacity=-(-max_len // 16) * 16,
         )
 
-    def _gemm(self, name: str, x: torch.Tensor, y: torch.Tensor, accumulate: bool = False) -> None:
-        s = self._structs[name]
-        rc = self.lib.sw_gemm(
-            ctypes.byref(s), x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.stride(0), int(accumulate),
-            K.pool_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise SpecwiseError("the kernels could not allocate their scratch memory")
-
-    def _norm(self, x: torch.Tensor, name: str, out: torch.Tensor) -> None:
-        self.lib.sw_rmsnorm(
-            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), self._norms[name].data_ptr(), self.eps,
-            out.data_ptr(), out.stride(0),
-        )  # fmt: skip
-
     def step(
         self,
         cache: KVCache,
@@ -481,63 +478,48 @@ class NativeHead:
         fused: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (token, position, slot) with their hidden input — target features (M, layers·H) when not `fused`
-        yet, else the head's own hidden state (M, H) — → (draft logits (M, draft vocab), hidden before the norm)."""
-        c = self.target.cfg
-        H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+        yet, else the head's own hidden state (M, H) — → (draft logits (M, draft vocab), hidden before the norm).
+        One C call (sw_head_step): the head runs between target passes, on cold caches, where each of the eleven
+        calls and two dozen tensor operations it used to take cost several times what they do warm."""
+        H = self.target.cfg.hidden_size
         M = int(tokens.shape[0])
+        if M == 0:
+            return torch.empty(0, self.spec.draft_vocab), torch.empty(0, H)
+        width = H if fused else len(self.spec.layers) * H
+        if tuple(hidden.shape) != (M, width) or positions.shape != (M,) or slots.shape != (M,):
+            raise SpecwiseError(
+                f"draft head pass refused: {M} rows need {M} positions, slots and "
+                f"{'hidden states' if fused else 'feature rows'} of width {width} (got {tuple(hidden.shape)})"
+            )
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         slots = slots.to(torch.int32).contiguous()
-        if M == 0:
-            return torch.empty(0, self.spec.draft_vocab), torch.empty(0, H)
-        if int(positions.min()) < 0 or int(positions.max()) >= min(cache.max_len, self.target.max_len):
-            raise SpecwiseError("draft head pass refused: a position outside its cache")
-        if int(slots.min()) < 0 or int(slots.max()) >= cache.num_slots:
-            raise SpecwiseError("draft head pass refused: a slot outside its cache")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
-            raise SpecwiseError("draft head pass refused: a token id outside the vocabulary")
-        hidden = hidden.float().contiguous()
-        if not fused:
-            if hidden.shape != (M, len(self.spec.layers) * H):
-                raise SpecwiseError(f"draft head pass refused: features of shape {tuple(hidden.shape)}")
-            g = torch.empty(M, H)
-            self._gemm("fc", hidden, g)
-        else:
-            g = hidden
-        e = torch.empty(M, H)
-        self.lib.sw_embed(ctypes.byref(self._embed), tokens.data_ptr(), M, e.data_ptr(), H)
-        x = torch.empty(M, 2 * H)
-        self._norm(e, "input_layernorm", x[:, :H])
-        self._norm(g, "hidden_norm", x[:, H:])
-        s = x[:, H:].clone() if self.spec.norm_before_residual else g.clone()
-        qkv = torch.empty(M, (Hq + 2 * Hkv) * D)
-        self._gemm("qkv", x, qkv)
-        att = torch.empty(M, Hq * D)
-        kv = K.SwKV(
-            cache.k.data_ptr(), cache.v.data_ptr(), 0, cache.capacity, Hkv * cache.capacity * D, cache.capacity * D
-        )
+        hidden = hidden.to(torch.float32).contiguous()
         threads = K.pool_threads()
-        need = threads * 8 * (cache.capacity + 16) + 64
+        need = self.lib.sw_head_scratch_floats(ctypes.byref(self._head), M, cache.capacity, threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
-        self.lib.sw_attention(
-            qkv.data_ptr(), M, qkv.shape[1], positions.data_ptr(), slots.data_ptr(), Hq, Hkv, D,
-            self.target.cos.data_ptr(), self.target.sin.data_ptr(), ctypes.byref(kv), att.data_ptr(), Hq * D,
+        logits = torch.empty(M, self.spec.draft_vocab)
+        pre = torch.empty(M, H)
+        sw_cache = K.SwCache(
+            cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16), cache.num_slots,
+            cache.max_len, cache.capacity,
+        )  # fmt: skip
+        rc = self.lib.sw_head_step(
+            ctypes.byref(self._head), ctypes.byref(sw_cache), M, tokens.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), hidden.data_ptr(), int(fused), logits.data_ptr(), pre.data_ptr(),
             self._scratch.data_ptr(), threads,
         )  # fmt: skip
-        self._gemm("o", att, s, accumulate=True)
-        h = torch.empty(M, H)
-        self._norm(s, "post_attention_layernorm", h)
-        gu = torch.empty(M, 2 * c.intermediate_size)
-        self._gemm("gate_up", h, gu)
-        act = torch.empty(M, c.intermediate_size)
-        self.lib.sw_silu_mul(gu.data_ptr(), M, c.intermediate_size, act.data_ptr())
-        self._gemm("down", act, s, accumulate=True)
-        n = torch.empty(M, H)
-        self._norm(s, "norm", n)
-        logits = torch.empty(M, self.spec.draft_vocab)
-        self._gemm("lm", n, logits)
-        return logits, s
+        if rc != 0:
+            what = {
+                -1: "a position outside its cache",
+                -2: "a slot outside its cache",
+                -3: "a token id outside the vocabulary",
+                -5: "a cache that is not the head's (fp32, whole 16-position blocks)",
+                -6: "weights whose shapes do not match the target's sizes",
+            }.get(rc, f"code {rc}")
+            raise SpecwiseError(f"draft head pass refused: {what}")
+        return logits, pre
 
 
 def spec_dict(spec: HeadSpec) -> dict:

@@ -33,7 +33,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 5
+ABI = 6
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -143,6 +143,19 @@ class SwCache(ctypes.Structure):
         ("slots", ctypes.c_int32),
         ("max_len", ctypes.c_int32),
         ("capacity", ctypes.c_int32),
+    ]
+
+
+class SwHead(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.POINTER(SwLinear)) for name in ("fc", "qkv", "o", "gate_up", "down", "lm", "embed")),
+        *((name, _P) for name in ("input_norm", "hidden_norm", "post_norm", "norm")),
+        *((name, ctypes.c_int32) for name in ("hidden", "inter", "n_heads", "n_kv", "head_dim", "vocab", "max_pos")),
+        ("n_features", ctypes.c_int32),
+        ("norm_before_residual", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("cos_t", _P),
+        ("sin_t", _P),
     ]
 
 
@@ -327,6 +340,10 @@ def library(variant: str | None = None) -> ctypes.CDLL:
             *(_I, _P, _P, _P, _I, _P, _P),
             *(_I, _P, _I, _P, _P, _P, _I),
         ]
+        lib.sw_head_scratch_floats.argtypes = [ctypes.POINTER(SwHead), _I, _I, _I]
+        lib.sw_head_scratch_floats.restype = ctypes.c_long
+        head, cache = ctypes.POINTER(SwHead), ctypes.POINTER(SwCache)
+        lib.sw_head_step.argtypes = [head, cache, _I, *(_P,) * 4, _I, *(_P,) * 3, _I]
         lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
         lib.sw_stream.restype = ctypes.c_uint64
         _libs[variant] = lib

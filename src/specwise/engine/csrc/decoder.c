@@ -1071,3 +1071,80 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   }
   return 0;
 }
+
+/* ------------------------------------------------------------------------------------- an EAGLE-3 draft head */
+
+static size_t head_widest(const sw_head* h) {
+  size_t K = (size_t)h->n_features * h->hidden;
+  const size_t more[3] = {2 * (size_t)h->hidden, (size_t)h->inter, (size_t)h->n_heads * h->head_dim};
+  for (int i = 0; i < 3; i++) K = more[i] > K ? more[i] : K;
+  return K;
+}
+
+/* Floats of scratch sw_head_step needs for M rows. */
+long sw_head_scratch_floats(const sw_head* h, int M, int capacity, int nthreads) {
+  if (nthreads < 1) nthreads = 1;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  const long C = h->hidden, QKV = (long)(h->n_heads + 2 * h->n_kv) * h->head_dim, A = (long)h->n_heads * h->head_dim;
+  const long attention = (long)nthreads * MAXQ * (capacity + 16);
+  const long linear = (long)gemm_scratch_floats(M, (int)head_widest(h), nthreads);
+  return 6 * M * C + M * QKV + M * A + 3L * M * h->inter + (attention > linear ? attention : linear) + 64;
+}
+
+/* One pass of the head over M rows (token i at position pos[i] of cache slot slot[i], one layer): its input the
+ * target's features (M × n_features·hidden, fused by fc) or, when `fused`, the head's own hidden state (M × hidden).
+ * The attention input is [input_norm(embed(token)) | hidden_norm(g)]; then the decoder layer, the final norm and the
+ * LM head over the draft vocabulary: logits (M × lm.n) and the hidden state before the norm (M × hidden). One call
+ * for what took eleven: the head runs between target passes, where every call's overhead is paid on cold caches.
+ * 0, or sw_forward's codes: -1 position, -2 slot, -3 token, -5 capacity, -6 shapes. */
+int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
+                 const int32_t* slot, const float* hidden, int fused, float* logits, float* out_hidden, float* scratch,
+                 int nthreads) {
+  const int C = h->hidden, H = h->n_heads, Hkv = h->n_kv, D = h->head_dim, I = h->inter, F = h->n_features * C;
+  const int QKV = (H + 2 * Hkv) * D, A = H * D;
+  if (nthreads < 1) nthreads = 1;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (cache->capacity % 16 || cache->capacity < cache->max_len || cache->bf16) return -5;
+  if (H < 1 || Hkv < 1 || H % Hkv || D % 16 || D > 128 || h->n_features < 1 || !linear_is(h->fc, C, F) ||
+      !linear_is(h->qkv, QKV, 2 * C) || !linear_is(h->o, C, A) || !linear_is(h->gate_up, 2 * I, C) ||
+      !linear_is(h->down, C, I) || h->lm->n < 1 || !linear_is(h->lm, h->lm->n, C) || !linear_is(h->embed, h->vocab, C))
+    return -6;
+  for (int i = 0; i < M; i++) {
+    if (pos[i] < 0 || pos[i] >= cache->max_len || pos[i] >= h->max_pos) return -1;
+    if (slot[i] < 0 || slot[i] >= cache->slots) return -2;
+    if (tokens[i] < 0 || tokens[i] >= h->vocab) return -3;
+  }
+  float* g = scratch;
+  float* e = g + (size_t)M * C;
+  float* x = e + (size_t)M * C; /* M × 2C */
+  float* hh = x + (size_t)M * 2 * C;
+  float* n = hh + (size_t)M * C;
+  float* qkv = n + (size_t)M * C;
+  float* att = qkv + (size_t)M * QKV;
+  float* gu = att + (size_t)M * A;
+  float* act = gu + (size_t)M * 2 * I;
+  float* sc = act + (size_t)M * I;
+  if (fused)
+    memcpy(g, hidden, (size_t)M * C * sizeof(float));
+  else
+    gemm(h->fc, hidden, M, F, g, C, 0, nthreads, sc);
+  sw_embed(h->embed, tokens, M, e, C);
+  sw_rmsnorm(e, M, C, C, h->input_norm, h->eps, x, 2 * C);
+  sw_rmsnorm(g, M, C, C, h->hidden_norm, h->eps, x + C, 2 * C);
+  float* s = out_hidden; /* the residual stream, M × C */
+  for (int i = 0; i < M; i++)
+    memcpy(s + (size_t)i * C, h->norm_before_residual ? x + (size_t)i * 2 * C + C : g + (size_t)i * C,
+           (size_t)C * sizeof(float));
+  gemm(h->qkv, x, M, 2 * C, qkv, QKV, 0, nthreads, sc);
+  const int64_t head_stride = (int64_t)cache->capacity * D, slot_stride = head_stride * Hkv;
+  sw_kv kv = {cache->k, cache->v, 0, cache->capacity, slot_stride, head_stride};
+  sw_attention(qkv, M, QKV, pos, slot, H, Hkv, D, h->cos_t, h->sin_t, &kv, att, A, sc, nthreads);
+  gemm(h->o, att, M, A, s, C, 1, nthreads, sc);
+  sw_rmsnorm(s, M, C, C, h->post_norm, h->eps, hh, C);
+  gemm(h->gate_up, hh, M, C, gu, 2 * I, 0, nthreads, sc);
+  sw_silu_mul(gu, M, I, act);
+  gemm(h->down, act, M, I, s, C, 1, nthreads, sc);
+  sw_rmsnorm(s, M, C, C, h->norm, h->eps, n, C);
+  gemm(h->lm, n, M, C, logits, h->lm->n, 0, nthreads, sc);
+  return 0;
+}

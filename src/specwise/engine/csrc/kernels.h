@@ -55,7 +55,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 5
+#define SW_ABI 6
 
 enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3 };
 
@@ -116,6 +116,18 @@ typedef struct {
   int32_t bf16, slots, max_len, capacity; /* positions allowed, positions allocated (a multiple of 16) */
 } sw_cache;
 
+/* An EAGLE-3 draft head on the target's kernels (eagle.py's NativeHead): fc fuses n_features of the target's hidden
+ * states; one decoder layer whose attention input is [input_norm(embed(token)) | hidden_norm(g)] (2·hidden wide);
+ * the final norm and an LM head over a draft vocabulary (lm->n rows). embed, cos_t and sin_t are the target's. */
+typedef struct {
+  const sw_linear *fc, *qkv, *o, *gate_up, *down, *lm, *embed;
+  const float *input_norm, *hidden_norm, *post_norm, *norm;
+  int32_t hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos, n_features, norm_before_residual;
+  float eps;
+  const float* cos_t;
+  const float* sin_t;
+} sw_head;
+
 /* --- the library's entry points (decoder.c) ------------------------------------------------------------------ */
 
 int sw_abi(void);
@@ -140,6 +152,11 @@ uint64_t sw_stream(const void* buf, size_t bytes, int nthreads);
 void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo);
 void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo);
 void sw_silu_mul(const float* gu, int M, int I, float* out);
+/* Floats of scratch sw_head_step needs for M rows; one head pass (decoder.c says what it computes). */
+long sw_head_scratch_floats(const sw_head* h, int M, int capacity, int nthreads);
+int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
+                 const int32_t* slot, const float* hidden, int fused, float* logits, float* out_hidden, float* scratch,
+                 int nthreads);
 void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
                   const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
                   int nthreads);
