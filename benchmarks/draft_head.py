@@ -46,27 +46,50 @@ def train_head(target, examples, vocab_size: int, options: T.TrainOptions, out: 
     return out, time.perf_counter() - t0, history.epochs[-1].acceptance_length
 
 
-def decode(target, drafter: str | None, k, batch: int, prompts: list, n: int) -> tuple[float, SpecCounts]:
-    """Decode tokens/s (tokens after the first over decode seconds; batch > 1: wall time of the whole batch) and
-    the pooled counts."""
-    engine = Engine(target, drafter=drafter, k=k, max_batch=batch)
-    engine.generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))  # warm-up
+def engines_for(target, systems) -> dict:
+    """An engine per (name, drafter, k, batch), warmed up."""
+    out = {}
+    for name, drafter, k, batch in systems:
+        out[name] = Engine(target, drafter=drafter, k=k, max_batch=batch)
+        out[name].generate(["Hello, world. Hello"], SamplingParams(max_new_tokens=8))
+    return out
+
+
+def interleaved(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
+    """Concurrency 1: every engine decodes prompt i (in an order rotating with i) before any decodes prompt i+1,
+    `repeats` times, so drift on a shared machine falls on all alike. → per engine, decode tokens/s pooled over
+    every decode (tokens after the first ÷ decode seconds), and its pooled counts."""
     params = SamplingParams(max_new_tokens=n)
-    counts = SpecCounts()
-    if batch == 1:
-        seconds, tokens = 0.0, 0
-        for p in prompts:
-            r = engine.generate([p], params)[0]
-            seconds += r.stats.decode_time
-            tokens += r.stats.generated_tokens - 1
-            counts.add(r.stats.counts())
-        return tokens / seconds, counts
-    t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    for r in results:
-        counts.add(r.stats.counts())
-    return sum(r.stats.generated_tokens for r in results) / wall, counts
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    counts = {name: SpecCounts() for name in engines}
+    names = list(engines)
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            turn = (r * len(prompts) + i) % len(names)
+            for name in names[turn:] + names[:turn]:
+                stats = engines[name].generate([p], params)[0].stats
+                seconds[name] += stats.decode_time
+                tokens[name] += stats.generated_tokens - 1
+                counts[name].add(stats.counts())
+    return {name: tokens[name] / seconds[name] for name in engines}, counts
+
+
+def batched(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
+    """Batches: each engine decodes all of `prompts` at once (wall time), the engines' order reversed each repeat;
+    → per engine, the median tokens/s over repeats, and its pooled counts."""
+    params = SamplingParams(max_new_tokens=n)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    counts = {name: SpecCounts() for name in engines}
+    for r in range(repeats):
+        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            results = engines[name].generate(prompts, params)
+            wall = time.perf_counter() - t0
+            rates[name].append(sum(x.stats.generated_tokens for x in results) / wall)
+            for x in results:
+                counts[name].add(x.stats.counts())
+    return {name: statistics.median(v) for name, v in rates.items()}, counts
 
 
 def main() -> int:
@@ -128,28 +151,26 @@ def main() -> int:
 
 
 def compare(target, head: Path, label: str, evaluation: list, repeats: int, eval_tokens: int) -> None:
-    """Decode speed of plain, n-gram and the head on `evaluation`, interleaved `repeats` times; medians."""
-    systems = [
+    """Decode speed of plain, n-gram and the head on `evaluation`: at concurrency 1 prompt by prompt interleaved
+    (`interleaved`), at concurrency 4 whole batches alternating (`batched`)."""
+    eagle = f"eagle:{head}"
+    single = [
         ("plain", None, 4, 1),
         ("ngram k=4", "ngram", 4, 1),
-        ("eagle k=4", f"eagle:{head}", 4, 1),
-        ("eagle k=auto", f"eagle:{head}", "auto", 1),
-        ("plain c=4", None, 4, 4),
-        ("eagle k=auto c=4", f"eagle:{head}", "auto", 4),
+        *((f"eagle k={k}", eagle, k, 1) for k in (1, 2, 4)),
+        ("eagle k=auto", eagle, "auto", 1),
     ]
-    rates: dict[str, list[float]] = {s: [] for s, *_ in systems}
-    last: dict[str, SpecCounts] = {}
-    for _ in range(repeats):
-        for name, drafter, k, batch in systems:
-            rate, counts = decode(target, drafter, k, batch, evaluation, eval_tokens)
-            rates[name].append(rate)
-            last[name] = counts
-    base = {1: statistics.median(rates["plain"]), 4: statistics.median(rates["plain c=4"])}
-    ngram = statistics.median(rates["ngram k=4"])
-    print(f"\n== {label}, greedy, {repeats} repeats, medians ==")
+    four = [("plain c=4", None, 4, 4), ("eagle k=auto c=4", eagle, "auto", 4)]
+    rates, counts = interleaved(engines_for(target, single), evaluation, eval_tokens, repeats)
+    rates4, counts4 = batched(engines_for(target, four), evaluation, eval_tokens, 2 * repeats)
+    rates.update(rates4)
+    counts.update(counts4)
+    base = {1: rates["plain"], 4: rates["plain c=4"]}
+    ngram = rates["ngram k=4"]
+    print(f"\n== {label}, greedy, {repeats} rounds (c=1 prompt-interleaved; c=4 {2 * repeats} batches, median) ==")
     print(f"{'system':18} {'tok/s':>7} {'vs plain':>9} {'vs ngram':>9} {'accept':>7} {'MAL':>5}")
-    for name, _, _, batch in systems:
-        tps, c = statistics.median(rates[name]), last[name]
+    for name, _, _, batch in single + four:
+        tps, c = rates[name], counts[name]
         acc = "-" if c.acceptance_rate is None else f"{c.acceptance_rate:.2f}"
         mal = "-" if c.mean_acceptance_length is None or not c.drafted else f"{c.mean_acceptance_length:.2f}"
         vs_ngram = f"{tps / ngram:8.2f}x" if batch == 1 else "        -"

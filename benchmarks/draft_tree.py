@@ -7,7 +7,7 @@ occurs, on one half of the prompts; counted on the other half). Beside them, mea
 CPU's kernels: the iteration each shape costs (a verifying pass of nodes + 1 rows, the head's catch-up from the
 target's features right after it, one head pass per further level) in one-token steps. tokens ÷ cost is the
 decode speed a shape can reach against plain decoding, before the engine's own per-iteration work; the chains'
-real decode ratios on the same prompts are printed beside theirs, to show how far the model is off.
+real decode ratios on the same prompts (prompt-interleaved) are printed beside theirs, to show how far the model is off.
 
     python benchmarks/draft_tree.py --head DIR [--trained-on 380] [--prompts 68] [--nodes 16] [--decode 12]
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_head import decode
+from draft_head import engines_for, interleaved
 from prompts import chat, chat_like
 
 from specwise.engine import draft_data as D
@@ -171,11 +171,9 @@ def main() -> int:
     step_ms, cost = costs(target, args.head, shapes, args.reps)
     real: dict[str, float] = {}
     if args.decode:
-        prompts = [chat(p) for p in texts[: args.decode]]
-        plain, _ = decode(target, None, 4, 1, prompts, 96)
-        for k in range(1, 5):
-            rate, _ = decode(target, f"eagle:{args.head}", k, 1, prompts, 96)
-            real[f"chain k={k}"] = rate / plain
+        systems = [("plain", None, 4, 1), *((f"chain k={k}", f"eagle:{args.head}", k, 1) for k in range(1, 5))]
+        rates, _ = interleaved(engines_for(target, systems), [chat(p) for p in texts[: args.decode]], 96, 1)
+        real = {name: rate / rates["plain"] for name, rate in rates.items() if name != "plain"}
     print(f"\none-token step {step_ms:.2f} ms; costs in steps (median of {args.reps}), context {CONTEXT}")
     print(f"{'shape':12} {'nodes':>5} {'widths':>14} {'tokens/it':>9} {'cost':>6} {'bound':>6} {'decoded':>8}")
     best: dict[str, tuple[float, str]] = {}

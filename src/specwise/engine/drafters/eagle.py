@@ -44,7 +44,7 @@ class EagleDrafter:
         self.vocab = model.cfg.vocab_size
         self.cache = self.runner.new_cache(num_slots, cache_len)
         self.done: dict[int, int] = {}  # slot → positions 0..done-1 hold step-0 entries in the head's cache
-        self.feats: dict[int, tuple[int, list[torch.Tensor]]] = {}  # slot → (first position, rows handed since)
+        self.feats: dict[int, tuple[int, int, list[torch.Tensor]]] = {}  # slot → (first position, rows, rows held)
 
     def extra_memory_bytes(self) -> int:
         return self.runner.nbytes() + self.cache.nbytes()
@@ -67,23 +67,21 @@ class EagleDrafter:
     def observe_features(self, slot: int, start: int, features: torch.Tensor) -> None:
         """Features (n, layers, hidden) of the committed rows at positions start..start+n-1 of `slot`."""
         rows = features.reshape(features.shape[0], -1)
-        first, held = self.feats.get(slot, (start, []))
-        if first + sum(t.shape[0] for t in held) != start:  # not contiguous: start again from these rows
-            first, held = start, []
+        first, n, held = self.feats.get(slot, (start, 0, []))
+        if first + n != start:  # not contiguous: start again from these rows
+            first, n, held = start, 0, []
             self.done.pop(slot, None)
         held.append(rows)
-        self.feats[slot] = (first, held)
+        self.feats[slot] = (first, n + rows.shape[0], held)
 
     def _rows(self, seq: SequenceView) -> tuple[int, torch.Tensor] | None:
         """(first position, features) of the positions the head must catch up on: done..len−2."""
         last = len(seq.token_ids) - 2
-        first, held = self.feats.get(seq.slot, (0, []))
+        first, n, held = self.feats.get(seq.slot, (0, 0, []))
         done = self.done.get(seq.slot, first)
-        if not held or done < first:
+        if not held or done < first or first + n <= last:  # features missing for a committed position: no draft
             return None
-        rows = torch.cat(held)
-        if first + rows.shape[0] <= last:  # features missing for a committed position: nothing to draft from
-            return None
+        rows = torch.cat(held) if len(held) > 1 else held[0]
         return done, rows[done - first : last + 1 - first]
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
@@ -118,7 +116,7 @@ class EagleDrafter:
         out = {i: (logits[at], pre[at]) for i, at in zip(active, last, strict=True)}
         for i in active:  # every committed position is in the head's cache now; the features handed are spent
             self.done[seqs[i].slot] = len(seqs[i].token_ids) - 1
-            self.feats[seqs[i].slot] = (self.done[seqs[i].slot], [])
+            self.feats[seqs[i].slot] = (self.done[seqs[i].slot], 0, [])
 
         # 2. The chain: each step feeds the head its own hidden state and the token it just drafted.
         def step(wanting: list[int], drafts: list[Draft], last: dict[int, Out]) -> dict[int, Out]:
