@@ -185,6 +185,25 @@ def test_adaptive_k_follows_the_cost_of_verification():
     assert b.choose() == 0  # with α < 1 and no parallelism, drafting can only cost
 
 
+def test_adaptive_k_sees_each_new_measurement_of_a_cost():
+    """The step's cost table is kept between rows of one pass, never past a new measurement: a drafter measured
+    dear turns drafting off at once, and a pass measured cheap turns it back on."""
+    costs = CostModel(smoothing=1.0)  # each measurement replaces the last: the test reads what it set
+    for t in range(1, 10):
+        costs.observe_pass(t, 1.0 + 0.05 * (t - 1))
+    k = AdaptiveK(costs, k_max=8, drafter="head")
+    for _ in range(10):
+        k.observe(4, 3)  # α ≈ 0.8
+    assert k.choose() > 0  # a draft not measured yet is taken as free
+    costs.observe_draft(1, 5.0, "head")  # a drafted token costs five passes
+    assert k.choose() == 0
+    costs.observe_draft(1, 0.001, "head")
+    assert k.choose() > 0
+    for t in range(1, 10):
+        costs.observe_pass(t, float(t))  # verification as dear per token as decoding: drafting cannot pay
+    assert k.choose() == 0
+
+
 def test_plan_batch_spends_draft_tokens_where_they_pay_for_the_pass():
     from specwise.engine.draft_length import plan_batch
 

@@ -30,6 +30,7 @@ class CostModel:
         self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token
         self.smoothing = smoothing
         self._curve: dict[int, float] = {}  # pass_cost answers since the last measurement (asked every step)
+        self._tables: dict[tuple[int, str | None], list[float]] = {}  # step_costs answers since then
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -37,10 +38,12 @@ class CostModel:
     def observe_pass(self, tokens: int, seconds: float) -> None:
         self.passes[tokens] = self._ema(self.passes.get(tokens), seconds)
         self._curve.clear()
+        self._tables.clear()
 
     def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
         if tokens > 0:
             self.draft_per_token[drafter] = self._ema(self.draft_per_token.get(drafter), seconds / tokens)
+            self._tables.clear()
 
     def pass_cost(self, tokens: int) -> float | None:
         """Seconds for a pass of `tokens` tokens: measured, else interpolated, never below a smaller pass's (timing
@@ -52,6 +55,19 @@ class CostModel:
                 _interpolate(self.passes, tokens), *(v for m, v in self.passes.items() if m <= tokens)
             )
         return self._curve[tokens]
+
+    def step_costs(self, k_max: int, drafter: str | None = None) -> list[float] | None:
+        """Seconds of a step drafting k = 0..k_max tokens with `drafter`: verify(k + 1) + draft(k), a draft cost not
+        measured yet taken as free (so the first draft measures it). Every row of a pass asks the same: kept until
+        the next measurement. None before any pass is measured."""
+        table = self._tables.get((k_max, drafter))
+        if table is None:
+            verify = [self.pass_cost(k + 1) for k in range(k_max + 1)]
+            if not verify or verify[0] is None:
+                return None
+            table = [v + (self.draft_cost(k, drafter) or 0.0) for k, v in enumerate(verify) if v is not None]
+            self._tables[(k_max, drafter)] = table
+        return table
 
     def draft_cost(self, k: int, drafter: str | None = None) -> float | None:
         if k == 0:
@@ -128,13 +144,12 @@ class AdaptiveK:
         self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
 
     def choose(self) -> int:
-        best_k, best_rate = 0, 0.0
-        for k in range(self.k_max + 1):
-            verify = self.costs.pass_cost(k + 1)
-            if verify is None:
-                return self.start_k  # no verification cost measured yet: draft a little to measure it
-            draft = self.costs.draft_cost(k, self.drafter) or 0.0  # unmeasured until the first draft: take it as free
-            rate = expected_tokens(self.alpha, k) / (verify + draft)
+        costs = self.costs.step_costs(self.k_max, self.drafter)
+        if costs is None:
+            return self.start_k  # no verification cost measured yet: draft a little to measure it
+        best_k, best_rate, alpha = 0, 0.0, self.alpha
+        for k, seconds in enumerate(costs):
+            rate = expected_tokens(alpha, k) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:

@@ -527,7 +527,9 @@ class Engine:
         at = 0
         for seq, drafter, _, n in readers:
             assert feats is not None
-            features[id(seq)] = (drafter, feats[at : at + n, [layers.index(x) for x in drafter.feature_layers]])
+            mine = drafter.feature_layers  # the pass's own layers (one head: a view), else a copy of the reader's
+            pick = feats[at : at + n] if mine == layers else feats[at : at + n, [layers.index(x) for x in mine]]
+            features[id(seq)] = (drafter, pick)
             at += n
         verdicts = []
         row_logprobs: list[list[TokenLogprob] | None] = []
