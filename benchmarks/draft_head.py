@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,21 +74,35 @@ def interleaved(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dic
     return {name: tokens[name] / seconds[name] for name in engines}, counts
 
 
-def batched(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
-    """Batches: each engine decodes all of `prompts` at once (wall time), the engines' order reversed each repeat;
-    → per engine, the median tokens/s over repeats, and its pooled counts."""
+def stepped(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
+    """Batches, stepped in turn: every engine holds all of `prompts` (its own slots) and the engines advance one
+    step each, in an order rotating each step, `repeats` times; so drift falls on every engine alike, step by
+    step. → per engine, output tokens over the seconds its own steps took, and its pooled counts."""
     params = SamplingParams(max_new_tokens=n)
-    rates: dict[str, list[float]] = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
     counts = {name: SpecCounts() for name in engines}
-    for r in range(repeats):
-        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
-            t0 = time.perf_counter()
-            results = engines[name].generate(prompts, params)
-            wall = time.perf_counter() - t0
-            rates[name].append(sum(x.stats.generated_tokens for x in results) / wall)
-            for x in results:
-                counts[name].add(x.stats.counts())
-    return {name: statistics.median(v) for name, v in rates.items()}, counts
+    names = list(engines)
+    for _ in range(repeats):
+        for engine in engines.values():
+            for p in prompts:
+                engine.enqueue(engine.prepare(p, params))
+        turn = 0
+        while any(e.has_work for e in engines.values()):
+            turn += 1
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                engine = engines[name]
+                if engine.has_work:
+                    t0 = time.perf_counter()
+                    events = engine.step()
+                    seconds[name] += time.perf_counter() - t0
+                    if engine.faults:
+                        raise engine.faults[0][1]
+                    for event in events:
+                        if event.result is not None:
+                            tokens[name] += event.result.stats.generated_tokens
+                            counts[name].add(event.result.stats.counts())
+    return {name: tokens[name] / seconds[name] for name in engines}, counts
 
 
 def main() -> int:
@@ -152,7 +165,7 @@ def main() -> int:
 
 def compare(target, head: Path, label: str, evaluation: list, repeats: int, eval_tokens: int) -> None:
     """Decode speed of plain, n-gram and the head on `evaluation`: at concurrency 1 prompt by prompt interleaved
-    (`interleaved`), at concurrency 4 whole batches alternating (`batched`)."""
+    (`interleaved`), at concurrency 4 the batches stepped in turn (`stepped`)."""
     eagle = f"eagle:{head}"
     single = [
         ("plain", None, 4, 1),
@@ -162,12 +175,12 @@ def compare(target, head: Path, label: str, evaluation: list, repeats: int, eval
     ]
     four = [("plain c=4", None, 4, 4), ("eagle k=auto c=4", eagle, "auto", 4)]
     rates, counts = interleaved(engines_for(target, single), evaluation, eval_tokens, repeats)
-    rates4, counts4 = batched(engines_for(target, four), evaluation, eval_tokens, 2 * repeats)
+    rates4, counts4 = stepped(engines_for(target, four), evaluation, eval_tokens, repeats)
     rates.update(rates4)
     counts.update(counts4)
     base = {1: rates["plain"], 4: rates["plain c=4"]}
     ngram = rates["ngram k=4"]
-    print(f"\n== {label}, greedy, {repeats} rounds (c=1 prompt-interleaved; c=4 {2 * repeats} batches, median) ==")
+    print(f"\n== {label}, greedy, {repeats} rounds (c=1 prompt-interleaved, c=4 step-interleaved) ==")
     print(f"{'system':18} {'tok/s':>7} {'vs plain':>9} {'vs ngram':>9} {'accept':>7} {'MAL':>5}")
     for name, _, _, batch in single + four:
         tps, c = rates[name], counts[name]
