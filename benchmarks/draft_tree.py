@@ -9,7 +9,8 @@ target's features right after it, one head pass per further level) in one-token 
 decode speed a shape can reach against plain decoding, before the engine's own per-iteration work; the chains'
 real decode ratios on the same prompts (prompt-interleaved) are printed beside theirs, to show how far the model is off.
 
-    python benchmarks/draft_tree.py --head DIR [--trained-on 380] [--prompts 68] [--nodes 16] [--decode 12]
+    python benchmarks/draft_tree.py --head DIR [--trained-on 380] [--prompts 68] [--nodes 16] [--context 128]
+        [--decode 12]
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from specwise.engine.drafters.eagle import EagleDrafter
 
 Path_ = tuple[int, ...]
 FAR = 1 << 20  # the rank of a token outside the draft vocabulary (never drafted)
-CONTEXT = 256  # tokens in the cache when costs are measured
 
 
 def rank_paths(head: E.EagleHead, examples: list, depth: int) -> list[list[Path_]]:
@@ -99,45 +99,46 @@ def head_widths(tree: list[Path_]) -> list[int]:
     return [sum(1 for p in parents if len(p) == d) for d in range(1, depth)]
 
 
-def timed(fn, reps: int) -> float:
-    xs = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t0)
-    return statistics.median(xs)
-
-
-def costs(target, head_dir: str, shapes: dict[str, list[Path_]], reps: int) -> tuple[float, dict[str, float]]:
+def costs(
+    target, head_dir: str, shapes: dict[str, list[Path_]], reps: int, context: int
+) -> tuple[float, dict[str, float]]:
     """(a one-token step in ms, each shape's iteration in steps): the verifying pass of its nodes + 1 rows, then the
     head's catch-up (2 rows from features, as after one accepted draft) and one head pass per further level; the
     head runs right after the target, as in the engine (its weights no longer in cache)."""
     model = target.model
-    drafter = EagleDrafter(head_dir, target, 1, CONTEXT + 64)
+    drafter = EagleDrafter(head_dir, target, 1, context + 64)
     runner, hcache = drafter.runner, drafter.cache
-    cache = model.new_cache(1, CONTEXT + 64)
-    fill = torch.randint(100, 1000, (CONTEXT,))
-    zeros = torch.zeros(CONTEXT, dtype=torch.int32)
-    model.forward_tokens(cache, fill, torch.arange(CONTEXT), zeros, torch.tensor([CONTEXT - 1]))
+    cache = model.new_cache(1, context + 64)
+    fill = torch.randint(100, 1000, (context,))
+    zeros = torch.zeros(context, dtype=torch.int32)
+    model.forward_tokens(cache, fill, torch.arange(context), zeros, torch.tensor([context - 1]))
     width = len(drafter.feature_layers) * model.cfg.hidden_size
-    runner.step(hcache, fill, torch.arange(CONTEXT), zeros, torch.randn(CONTEXT, width), False)
+    runner.step(hcache, fill, torch.arange(context), zeros, torch.randn(context, width), False)
     H = model.cfg.hidden_size
 
     def iteration(tree: list[Path_] | None) -> None:
         rows = 1 + (len(tree) if tree else 0)
         tokens = fill[:rows]
-        positions = torch.arange(CONTEXT, CONTEXT + rows)
+        positions = torch.arange(context, context + rows)
         model.forward_features(cache, tokens, positions, zeros[:rows], None, drafter.feature_layers)
         if tree is None:
             return
         runner.step(hcache, fill[:2], positions[:2], zeros[:2], torch.randn(2, width), False)
         for level, w in enumerate(head_widths(tree)):
-            at = torch.full((w,), CONTEXT + 2 + level)
+            at = torch.full((w,), context + 2 + level)
             runner.step(hcache, fill[:w], at, zeros[:w], torch.randn(w, H), True)
 
+    every = {"step": None, **shapes}
+    times: dict[str, list[float]] = {name: [] for name in every}
+    names = list(every)
     with K.serial_torch():
-        step = timed(lambda: iteration(None), reps)
-        return step * 1e3, {name: timed(lambda t=t: iteration(t), reps) / step for name, t in shapes.items()}
+        for r in range(reps):  # every shape once a round, in a rotating order: drift falls on all alike
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                t0 = time.perf_counter()
+                iteration(every[name])
+                times[name].append(time.perf_counter() - t0)
+    step = statistics.median(times["step"])
+    return step * 1e3, {name: statistics.median(times[name]) / step for name in shapes}
 
 
 def main() -> int:
@@ -148,7 +149,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--nodes", type=int, default=16, help="the largest tree (the issue: at most 16)")
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=40, help="timed repetitions of each shape's iteration")
+    ap.add_argument("--reps", type=int, default=60, help="rounds of timing every shape's iteration once")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the cache when costs are measured")
     ap.add_argument("--decode", type=int, default=12, help="held-out prompts the chains really decode (0: none)")
     args = ap.parse_args()
     target = load_target()
@@ -166,15 +168,16 @@ def main() -> int:
 
     shapes = {f"chain k={k}": chain(k) for k in range(1, 6)}
     trees = best_trees(chosen, args.nodes)
-    for tree in trees[1:]:
-        shapes[f"tree {len(tree)}"] = tree
-    step_ms, cost = costs(target, args.head, shapes, args.reps)
+    for tree in trees:
+        if any(r for node in tree for r in node):  # the branching ones (a tree of rank-0 nodes is a chain above)
+            shapes[f"tree {len(tree)}"] = tree
+    step_ms, cost = costs(target, args.head, shapes, args.reps, args.context)
     real: dict[str, float] = {}
     if args.decode:
         systems = [("plain", None, 4, 1), *((f"chain k={k}", f"eagle:{args.head}", k, 1) for k in range(1, 5))]
         rates, _ = interleaved(engines_for(target, systems), [chat(p) for p in texts[: args.decode]], 96, 1)
         real = {name: rate / rates["plain"] for name, rate in rates.items() if name != "plain"}
-    print(f"\none-token step {step_ms:.2f} ms; costs in steps (median of {args.reps}), context {CONTEXT}")
+    print(f"\none-token step {step_ms:.2f} ms; costs in steps (medians, {args.reps} rounds), context {args.context}")
     print(f"{'shape':12} {'nodes':>5} {'widths':>14} {'tokens/it':>9} {'cost':>6} {'bound':>6} {'decoded':>8}")
     best: dict[str, tuple[float, str]] = {}
     for name, tree in shapes.items():
