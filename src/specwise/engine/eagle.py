@@ -486,7 +486,7 @@ class NativeHead:
         if M == 0:
             return torch.empty(0, self.spec.draft_vocab), torch.empty(0, H)
         width = H if fused else len(self.spec.layers) * H
-        if tuple(hidden.shape) != (M, width) or positions.shape != (M,) or slots.shape != (M,):
+        if tuple(hidden.shape) != (M, width) or any(t.shape != (M,) for t in (tokens, positions, slots)):
             raise SpecwiseError(
                 f"draft head pass refused: {M} rows need {M} positions, slots and "
                 f"{'hidden states' if fused else 'feature rows'} of width {width} (got {tuple(hidden.shape)})"
