@@ -54,24 +54,39 @@ def engines_for(target, systems) -> dict:
     return out
 
 
+class Tally:
+    """Tokens, seconds and counts pooled per engine; `result` → (tokens/s, counts) per engine."""
+
+    def __init__(self, names):
+        self.seconds = dict.fromkeys(names, 0.0)
+        self.tokens = dict.fromkeys(names, 0)
+        self.counts = {name: SpecCounts() for name in names}
+
+    def add(self, name: str, seconds: float, tokens: int, stats) -> None:
+        self.seconds[name] += seconds
+        self.tokens[name] += tokens
+        self.counts[name].add(stats.counts())
+
+    def result(self) -> tuple[dict, dict]:
+        return {name: self.tokens[name] / self.seconds[name] for name in self.seconds}, self.counts
+
+
+def rotated(names: list, turn: int) -> list:
+    return names[turn % len(names) :] + names[: turn % len(names)]
+
+
 def interleaved(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
     """Concurrency 1: every engine decodes prompt i (in an order rotating with i) before any decodes prompt i+1,
     `repeats` times, so drift on a shared machine falls on all alike. → per engine, decode tokens/s pooled over
     every decode (tokens after the first ÷ decode seconds), and its pooled counts."""
     params = SamplingParams(max_new_tokens=n)
-    seconds = dict.fromkeys(engines, 0.0)
-    tokens = dict.fromkeys(engines, 0)
-    counts = {name: SpecCounts() for name in engines}
-    names = list(engines)
+    tally, names = Tally(engines), list(engines)
     for r in range(repeats):
         for i, p in enumerate(prompts):
-            turn = (r * len(prompts) + i) % len(names)
-            for name in names[turn:] + names[:turn]:
+            for name in rotated(names, r * len(prompts) + i):
                 stats = engines[name].generate([p], params)[0].stats
-                seconds[name] += stats.decode_time
-                tokens[name] += stats.generated_tokens - 1
-                counts[name].add(stats.counts())
-    return {name: tokens[name] / seconds[name] for name in engines}, counts
+                tally.add(name, stats.decode_time, stats.generated_tokens - 1, stats)
+    return tally.result()
 
 
 def stepped(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, dict]:
@@ -79,10 +94,7 @@ def stepped(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, d
     step each, in an order rotating each step, `repeats` times; so drift falls on every engine alike, step by
     step. → per engine, output tokens over the seconds its own steps took, and its pooled counts."""
     params = SamplingParams(max_new_tokens=n)
-    seconds = dict.fromkeys(engines, 0.0)
-    tokens = dict.fromkeys(engines, 0)
-    counts = {name: SpecCounts() for name in engines}
-    names = list(engines)
+    tally, names = Tally(engines), list(engines)
     for _ in range(repeats):
         for engine in engines.values():
             for p in prompts:
@@ -90,19 +102,18 @@ def stepped(engines: dict, prompts: list, n: int, repeats: int) -> tuple[dict, d
         turn = 0
         while any(e.has_work for e in engines.values()):
             turn += 1
-            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            for name in [m for m in rotated(names, turn) if engines[m].has_work]:
                 engine = engines[name]
-                if engine.has_work:
-                    t0 = time.perf_counter()
-                    events = engine.step()
-                    seconds[name] += time.perf_counter() - t0
-                    if engine.faults:
-                        raise engine.faults[0][1]
-                    for event in events:
-                        if event.result is not None:
-                            tokens[name] += event.result.stats.generated_tokens
-                            counts[name].add(event.result.stats.counts())
-    return {name: tokens[name] / seconds[name] for name in engines}, counts
+                t0 = time.perf_counter()
+                events = engine.step()
+                spent = time.perf_counter() - t0
+                if engine.faults:
+                    raise engine.faults[0][1]
+                tally.seconds[name] += spent
+                for event in events:
+                    if event.result is not None:
+                        tally.add(name, 0.0, event.result.stats.generated_tokens, event.result.stats)
+    return tally.result()
 
 
 def main() -> int:

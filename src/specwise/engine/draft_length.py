@@ -60,12 +60,11 @@ class CostModel:
         """Seconds of a step drafting k = 0..k_max tokens with `drafter`: verify(k + 1) + draft(k), a draft cost not
         measured yet taken as free (so the first draft measures it). Every row of a pass asks the same: kept until
         the next measurement. None before any pass is measured."""
+        if not self.passes:
+            return None
         table = self._tables.get((k_max, drafter))
         if table is None:
-            verify = [self.pass_cost(k + 1) for k in range(k_max + 1)]
-            if not verify or verify[0] is None:
-                return None
-            table = [v + (self.draft_cost(k, drafter) or 0.0) for k, v in enumerate(verify) if v is not None]
+            table = [(self.pass_cost(k + 1) or 0.0) + (self.draft_cost(k, drafter) or 0.0) for k in range(k_max + 1)]
             self._tables[(k_max, drafter)] = table
         return table
 

@@ -510,15 +510,7 @@ class NativeHead:
             slots.data_ptr(), hidden.data_ptr(), int(fused), logits.data_ptr(), pre.data_ptr(),
             self._scratch.data_ptr(), threads,
         )  # fmt: skip
-        if rc != 0:
-            what = {
-                -1: "a position outside its cache",
-                -2: "a slot outside its cache",
-                -3: "a token id outside the vocabulary",
-                -5: "a cache that is not the head's (fp32, whole 16-position blocks)",
-                -6: "weights whose shapes do not match the target's sizes",
-            }.get(rc, f"code {rc}")
-            raise SpecwiseError(f"draft head pass refused: {what}")
+        K.check_pass(rc, "draft head pass")
         return logits, pre
 
 

@@ -89,6 +89,24 @@ _libs: dict[str, ctypes.CDLL] = {}
 _failures: dict[str, str] = {}
 
 
+# What a pass's nonzero return code means (sw_forward_features and sw_head_step share them; decoder.c states them).
+REFUSALS = {
+    -1: "a position outside its cache or the model's context",
+    -2: "a slot outside its cache",
+    -3: "a token id outside the vocabulary",
+    -4: "an output or feature row outside the pass",
+    -5: "a cache of another layout (capacity in whole 16-position blocks; a draft head's in float32)",
+    -6: "weights whose shapes do not match the model's sizes",
+    -7: "a feature layer outside the model's layers",
+}
+
+
+def check_pass(rc: int, what: str) -> None:
+    """Raise the refusal a pass's return code names (nothing for 0)."""
+    if rc != 0:
+        raise SpecwiseError(f"{what} refused: {REFUSALS.get(rc, f'code {rc}')}")
+
+
 class SwLinear(ctypes.Structure):
     _fields_ = [
         ("fmt", ctypes.c_int32),

@@ -499,17 +499,7 @@ class NativeDecoder:
                 self._scratch.data_ptr(),
                 threads,
             )
-        if rc != 0:
-            what = {
-                -1: "a position outside the cache or the model's context",
-                -2: "a slot outside the cache",
-                -3: "a token id outside the vocabulary",
-                -4: "an output or feature row outside the pass",
-                -5: "a cache whose capacity is not a whole number of 16-position blocks",
-                -6: "weights whose shapes do not match the model's sizes",
-                -7: "a feature layer outside the model's layers",
-            }[rc]
-            raise SpecwiseError(f"forward pass refused: {what}")
+        K.check_pass(rc, "forward pass")
         return logits, features
 
     @torch.inference_mode()
