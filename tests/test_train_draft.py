@@ -176,3 +176,71 @@ def test_training_precision_auto_takes_bfloat16_only_where_the_cpu_has_it(tiny4_
     src = jsonl(tmp_path / "p.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
     assert train_cli(src, tmp_path / "out", tiny4_dir, "--precision", "half") == 2
     assert "precision must be one of" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+class _Payload:
+    """A pickle that, when loaded, creates a file: what a hostile `examples.pt` or `checkpoint.pt` would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("name", ["examples.pt", "checkpoint.pt", "examples.safetensors", "checkpoint.safetensors"])
+def test_a_pickle_left_in_out_is_refused_and_never_run(tiny4_dir, tmp_path, capsys, name):
+    """Issue 31 item 1: state in --out is read as safetensors + JSON only; a pickle there (under the old names or the
+    new ones) is refused with the reason and its code never runs."""
+    rows = [{"prompt": p} for p in PROMPTS]
+    out = tmp_path / "head"
+    out.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"key": "x", "examples": _Payload(marker)}, out / name)
+    assert train_cli(jsonl(tmp_path / "p.jsonl", rows), out, tiny4_dir) == 2
+    err = capsys.readouterr().err
+    assert name in err and ("never read" in err or "not a specwise state file" in err), err
+    assert not marker.exists()
+    assert not (out / E.CONFIG).exists()
+
+
+def test_a_checkpoint_pickle_is_refused_by_train_itself(tiny4_dir, tmp_path):
+    target = load_target(tiny4_dir)
+    examples = D.collect(target, [target.tokenizer.encode(p) for p in PROMPTS[:3]], max_new_tokens=8)
+    ids, _ = D.draft_vocabulary(examples, 40)
+    spec = E.HeadSpec(target.model.cfg, D.eagle_layers(target.model.num_layers), int(ids.numel()))
+    marker = tmp_path / "ran"
+    torch.save(_Payload(marker), tmp_path / "checkpoint.pt")
+    with pytest.raises(SpecwiseError, match=r"checkpoint\.pt: pickled training state is never read"):
+        T.train(E.new_head(spec, ids, target.model), examples, T.TrainOptions(epochs=1), tmp_path, progress=False)
+    assert not marker.exists()
+
+
+def test_collected_answers_round_trip_and_a_tampered_file_is_refused(tiny4_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    target = load_target(tiny4_dir)
+    examples = D.collect(target, [target.tokenizer.encode(p) for p in PROMPTS[:2]], max_new_tokens=8)
+    path = tmp_path / "examples.safetensors"
+    D.save_examples(path, "k1", examples)
+    assert path.stat().st_mode & 0o077 == 0  # owner only
+    back = D.load_examples(path, "k1")
+    assert back is not None and len(back) == 2
+    for a, b in zip(examples, back, strict=True):
+        assert a.tokens == b.tokens and a.prompt_len == b.prompt_len
+        assert torch.equal(a.features, b.features) and torch.equal(a.top_ids, b.top_ids)
+        assert torch.equal(a.top_logprobs, b.top_logprobs)
+    assert D.load_examples(path, "another key") is None  # collected from something else: collect again
+    save_file({"w": torch.zeros(2)}, str(path))  # a safetensors file, but not ours
+    with pytest.raises(SpecwiseError, match="without specwise's state"):
+        D.load_examples(path, "k1")
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(SpecwiseError, match="not a specwise state file"):
+        D.load_examples(path, "k1")
+    ex = examples[0]
+    D.save_examples(path, "k1", [D.Example(ex.tokens, len(ex.tokens), ex.features, ex.top_ids, ex.top_logprobs)])
+    with pytest.raises(SpecwiseError, match="prompt length"):
+        D.load_examples(path, "k1")
+    D.save_examples(path, "k1", [D.Example(ex.tokens, ex.prompt_len, ex.features[:-1], ex.top_ids, ex.top_logprobs)])
+    with pytest.raises(SpecwiseError, match="positions"):
+        D.load_examples(path, "k1")

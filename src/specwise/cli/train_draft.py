@@ -21,7 +21,7 @@ from pathlib import Path
 from specwise.errors import SpecwiseError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-EXAMPLES = "examples.pt"
+EXAMPLES = "examples.safetensors"
 TRAINING = "training.json"
 
 
@@ -144,8 +144,6 @@ def _from_log(path: Path) -> list[str | list[dict]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from specwise.engine import Engine, load_target
     from specwise.engine import draft_data as D
     from specwise.engine import draft_train as T
@@ -165,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise SpecwiseError(f"--out {out} is a file: give a directory")
+    T.refuse_pickles(out)
     if (out / E.CONFIG).exists() and not (out / T.CHECKPOINT).exists():
         raise SpecwiseError(f"--out {out} already holds a trained head: give a new directory")
     target = load_target(args.model)
@@ -188,14 +187,13 @@ def run(args: argparse.Namespace) -> int:
     cached = out / EXAMPLES
     examples = None
     if cached.exists():
-        saved = torch.load(cached, weights_only=False)
-        if saved.get("key") == key:
-            examples = saved["examples"]
+        examples = D.load_examples(cached, key)
+        if examples is not None:
             print(f"using the {len(examples)} answers collected before ({cached})", file=sys.stderr)
     if examples is None:
         print(f"the target answers {len(ids)} prompts (≤ {args.max_tokens} tokens each) …", file=sys.stderr)
         examples = D.collect(target, ids, args.max_tokens, layers, progress=not args.no_progress)
-        torch.save({"key": key, "examples": examples}, cached)
+        D.save_examples(cached, key, examples)
     collected = time.perf_counter() - t0
     answer_tokens = sum(ex.answer_len for ex in examples)
     head = T.untrained_head(

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from specwise.engine import statefile
 from specwise.engine.engine import Engine
 from specwise.engine.native import NativeDecoder
 from specwise.engine.sampling import SamplingParams
@@ -133,3 +136,53 @@ def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, 
     chosen = torch.sort(order[:size]).values
     total = float(written.sum())
     return chosen, (float(written[chosen].sum()) / total if total else 1.0)
+
+
+def save_examples(path: Path, key: str, examples: list[Example]) -> None:
+    """Keep collected answers between runs (safetensors + JSON: reading them back runs no code), under `key`: what
+    they were collected from."""
+    rows = [
+        {"tokens": ex.tokens, "prompt_len": ex.prompt_len, "features": ex.features, "top_ids": ex.top_ids,
+         "top_logprobs": ex.top_logprobs}
+        for ex in examples
+    ]  # fmt: skip
+    statefile.save(path, {"key": key, "examples": rows})
+
+
+def load_examples(path: Path, key: str) -> list[Example] | None:
+    """The answers saved at `path` if they were collected under `key` (None: collected from something else); a
+    file that is not one of ours, or whose rows do not hold together, is refused with the reason."""
+    saved = statefile.load(path)
+    if not (isinstance(saved, dict) and isinstance(saved.get("key"), str) and isinstance(saved.get("examples"), list)):
+        raise statefile.StateFileError(f"{path} holds no collected answers (a 'key' and a list of 'examples')")
+    if saved["key"] != key:
+        return None
+    return [_example(row, n, path) for n, row in enumerate(saved["examples"], 1)]
+
+
+def _example(row: Any, n: int, path: Path) -> Example:
+    def bad(why: str) -> statefile.StateFileError:
+        return statefile.StateFileError(f"{path}: example {n} {why}; delete the file to collect again")
+
+    if not isinstance(row, dict):
+        raise bad("is not a record")
+    tokens, prompt_len = row.get("tokens"), row.get("prompt_len")
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(type(t) is int and t >= 0 for t in tokens):
+        raise bad("has no token list of at least 2 non-negative ids")
+    if type(prompt_len) is not int or not 1 <= prompt_len < len(tokens):
+        raise bad(f"has a prompt length {prompt_len!r} outside 1..{len(tokens) - 1}")
+
+    def tensor(name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = row.get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise bad(f"has no {name} tensor of {dtype}")
+        return t
+
+    feats = tensor("features", torch.float16)
+    top_ids, logps = tensor("top_ids", torch.int32), tensor("top_logprobs", torch.float16)
+    rows = len(tokens) - 1
+    if feats.dim() != 3 or feats.shape[0] != rows or top_ids.dim() != 2 or top_ids.shape[0] != rows:
+        raise bad(f"has features {tuple(feats.shape)} / top ids {tuple(top_ids.shape)} not of {rows} positions")
+    if logps.shape != top_ids.shape or (top_ids.numel() and int(top_ids.min()) < 0):
+        raise bad("has top log-probabilities not shaped as its top ids, or a negative id")
+    return Example(tokens, prompt_len, feats, top_ids, logps)

@@ -24,13 +24,16 @@ from tqdm import tqdm
 
 from specwise.engine import eagle as E
 from specwise.engine import kernels as K
+from specwise.engine import statefile
 from specwise.engine.draft_data import Example, draft_vocabulary, eagle_layers
 from specwise.errors import SpecwiseError
 from specwise.specs import TrainOptions
 
 __all__ = ["TrainOptions", "measure", "split", "train"]
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = "checkpoint.safetensors"
+# What earlier versions kept in --out as pickles: refused, never read (unpickling a file can run its writer's code).
+PICKLES = ("checkpoint.pt", "examples.pt")
 STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i (later steps matter less: fewer reach them)
 
 
@@ -49,6 +52,16 @@ class History:
 
     def to_dict(self) -> dict:
         return {"epochs": [asdict(e) for e in self.epochs]}
+
+
+def refuse_pickles(directory: Path) -> None:
+    """Refuse a directory holding a pickle of an earlier version's training state, before anything reads it."""
+    found = [name for name in PICKLES if (directory / name).exists()]
+    if found:
+        raise SpecwiseError(
+            f"{directory} holds {', '.join(found)}: pickled training state is never read (loading a pickle can run "
+            f"code); delete {'them' if len(found) > 1 else 'it'} and train again (state is kept as safetensors now)"
+        )
 
 
 def split(examples: list[Example], held_out: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -257,14 +270,23 @@ def train(
     dtype = autocast_dtype(options.precision)
     key = {"data": data_sha256(examples), "options": asdict(options), "spec": E.spec_dict(head.spec)}
     ckpt = checkpoint_dir / CHECKPOINT if checkpoint_dir else None
+    if checkpoint_dir is not None:
+        refuse_pickles(checkpoint_dir)
     if ckpt is not None and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved.get("key") == key:
-            head.load_state_dict(saved["head"])
-            opt.load_state_dict(saved["optimizer"])
-            schedule.load_state_dict(saved["schedule"])
-            history = History([EpochReport(**e) for e in saved["history"]])
+        saved = statefile.load(ckpt)
+        if isinstance(saved, dict) and saved.get("key") == key:
+            try:
+                head.load_state_dict(saved["head"])
+                opt.load_state_dict(saved["optimizer"])
+                schedule.load_state_dict(saved["schedule"])
+                history = History([EpochReport(**e) for e in saved["history"]])
+            except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+                raise statefile.StateFileError(
+                    f"{ckpt} does not fit this training ({type(e).__name__}: {e}); delete it to start over"
+                ) from None
             start_epoch = len(history.epochs)
+            if start_epoch > options.epochs:
+                raise statefile.StateFileError(f"{ckpt} records {start_epoch} epochs of {options.epochs}; delete it")
             print(f"resuming from {ckpt} after epoch {start_epoch}", file=sys.stderr)
     shuffle = random.Random(options.seed)
     for _ in range(start_epoch):  # the same batch order as an uninterrupted run (the shuffles it made)
@@ -298,18 +320,14 @@ def train(
         rep = EpochReport(epoch + 1, sum(losses) / max(len(losses), 1), tau, acc, time.perf_counter() - t0)
         history.epochs.append(rep)
         if ckpt is not None:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save(
-                {
-                    "key": key,
-                    "head": head.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "schedule": schedule.state_dict(),
-                    "history": [asdict(e) for e in history.epochs],
-                },
-                tmp,
-            )
-            tmp.replace(ckpt)
+            state = {
+                "key": key,
+                "head": head.state_dict(),
+                "optimizer": opt.state_dict(),
+                "schedule": schedule.state_dict(),
+                "history": [asdict(e) for e in history.epochs],
+            }
+            statefile.save(ckpt, state)
         if report is not None:  # after the checkpoint: an interruption here loses nothing
             report(rep)
     return history
