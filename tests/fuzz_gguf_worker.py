@@ -64,7 +64,7 @@ def mutation(rng: random.Random, where: dict, size: int, in_place: bool) -> tupl
 def load(path: str) -> None:
     reader = gguf.open_gguf(path)
     cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
-    model = NativeDecoder(from_gguf(reader, path, cfg), max_len=64)
+    model = NativeDecoder(from_gguf(path, cfg), max_len=64)
     cache = model.new_cache(1, 16)
     out = model.forward_tokens(cache, torch.tensor([1, 2, 3]), torch.arange(3), torch.zeros(3, dtype=torch.int32))
     assert out.shape == (3, cfg.vocab_size)

@@ -17,7 +17,7 @@ from specwise.engine import kernels as K
 from specwise.engine import load_target
 from specwise.errors import SpecwiseError
 
-FORMATS = ["f32", "bf16", "q8", "q4"]
+FORMATS = ["f32", "bf16", "q8", "q4", "q5", "q6"]
 VARIANTS = K.runnable()  # every variant this CPU executes: each is forced and tested
 ZEN3 = frozenset(
     {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
@@ -26,10 +26,32 @@ ZEN3 = frozenset(
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
 
 
-def packed(fmt: str, n: int = 200, k: int = 96, seed: int = 0, bias: bool = False, half: bool = True):
+def kscaled(fmt: str, n: int, k: int, g: torch.Generator, bias=None):
+    """Random Q4/Q5 weights with K scales (uint8 multipliers of fp16 superblock factors, as Q4_K/Q5_K), or Q6 ones
+    (int8 per 16 of an fp16 factor, as Q6_K): every value and multiplier in its full range."""
+    top = {"q4": 16, "q5": 32, "q6": 64}[fmt]
+    q = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
+    ds = (torch.rand(n, k // 256, generator=g) * 0.01 + 1e-4).half()
+    if fmt == "q6":
+        return K.pack_q6(q, torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8), ds, bias=bias)
+    d = torch.randint(0, 256, (n, k // 32), generator=g, dtype=torch.uint8)
+    m = torch.randint(0, 256, (n, k // 32), generator=g, dtype=torch.uint8)
+    ms = (-torch.rand(n, k // 256, generator=g) * 0.01).half()
+    return (K.pack_q4 if fmt == "q4" else K.pack_q5)(q, d, m, bias=bias, ds=ds, ms=ms)
+
+
+def packed(fmt: str, n: int = 200, k: int = 96, seed: int = 0, bias: bool = False, half: bool | str = True):
+    """A random layer in `fmt`; half: fp16 scales (True), fp32 (False) or "k" (K-quant superblock scales)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
+    if half == "k" or fmt == "q6":
+        return kscaled(fmt, n, k, g, b)
+    if fmt == "q5":
+        q = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
+        return K.pack_q5(q, d if half else d.float(), m if half else m.float(), bias=b)
     if fmt == "q4":
         q, d, m = K.quantize_q4(w)
         return K.pack_q4(q, d if half else d.float(), m if half else m.float(), bias=b)
@@ -69,27 +91,38 @@ def contract_gemm(lin: K.PackedLinear, x: np.ndarray, activations: str) -> np.nd
         return (acc + bias).astype(np.float32)
     q, dx, sx, _ = contract_quantize(x)
     qw = lin.values().numpy().astype(np.int64)  # (n, K)
-    dw = K._unblocks(lin.d, lin.n).float().numpy()
-    mw = None if lin.m is None else K._unblocks(lin.m, lin.n).float().numpy()
+    dw = lin.scale_rows("d").numpy()  # (n, K/32) fp32: the contract's dw, whatever the encoding
+    mw = lin.scale_rows("m").numpy() if lin.fmt in K.MINNED else None
+    sc = K._unblocks(lin.d, lin.n).numpy().astype(np.int64) if lin.fmt == K.Q6 else None  # (n, K/16)
     acc = np.zeros((rows, lin.n), np.float32)
     for b in range(inputs // 32):
+        scale = (dw[None, :, b] * dx[:, b : b + 1]).astype(np.float32)
+        if sc is not None:  # Q6: two 16-halves, each sc · Σ (q − 32)·x, one fma each
+            for h in range(2):
+                cols = slice(32 * b + 16 * h, 32 * b + 16 * h + 16)
+                isum = (q[:, cols].astype(np.int64) @ (qw[:, cols] - 32).T) * sc[None, :, 2 * b + h]
+                acc = fma(isum.astype(np.float32), scale, acc)
+            continue
         isum = q[:, 32 * b : 32 * b + 32].astype(np.int64) @ qw[:, 32 * b : 32 * b + 32].T  # exact
-        acc = fma(isum.astype(np.float32), (dw[None, :, b] * dx[:, b : b + 1]).astype(np.float32), acc)
+        acc = fma(isum.astype(np.float32), scale, acc)
         if mw is not None:
             acc = fma(mw[None, :, b], sx[:, b : b + 1], acc)
     return (acc + bias).astype(np.float32)
 
 
-CASES = [("f32", "float32"), ("bf16", "float32"), ("q8", "float32"), ("q4", "float32"), ("q8", "int8"), ("q4", "int8")]
-SCALED = [(fmt, act, half) for fmt, act in CASES for half in ([True, False] if fmt in ("q8", "q4") else [True])]
+CASES = [("f32", "float32"), ("bf16", "float32")] + [
+    (f, a) for f in ("q8", "q4", "q5", "q6") for a in ("float32", "int8")
+]
+ENCODINGS = {"q8": [True, False], "q4": [True, False, "k"], "q5": [True, False, "k"], "q6": ["k"]}
+SCALED = [(fmt, act, half) for fmt, act in CASES for half in ENCODINGS.get(fmt, [True])]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt, activations, half", SCALED)
 def test_gemm_computes_exactly_what_the_contract_states(variant, fmt, activations, half):
     """Bit for bit the arithmetic kernels.h states, on n = 200 columns (the last block partly padding), with fp16
-    scales (GGUF's) and fp32 ones (Q4_K's)."""
-    lin = packed(fmt, n=200, k=128, bias=True, half=half)
+    scales (GGUF's own), fp32 ones and K-quant superblock ones (512 inputs: two superblocks)."""
+    lin = packed(fmt, n=200, k=512 if half == "k" or fmt == "q6" else 128, bias=True, half=half)
     x = torch.randn(7, lin.k, generator=torch.Generator().manual_seed(1)) * 2
     got = K.gemm(lin, x, activations=activations, variant=variant).numpy()
     assert np.array_equal(got, contract_gemm(lin, x.numpy(), activations))
@@ -100,17 +133,18 @@ def test_row_quantisation_is_the_contracts(variant):
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)) * 3
     x[1, :32] = 0  # a block of zeros: dx = 0, q = 0
     x[2, 40] = 1e4  # an outlier: the rest of its block rounds to 0
-    q, d, s, total = K.quantize_rows(x, variant=variant)
+    q, d, s, total, half = K.quantize_rows(x, variant=variant)
     eq, ed, es, etotal = contract_quantize(x.numpy())
     assert np.array_equal(q.numpy(), eq) and np.array_equal(d.numpy(), ed)
     assert np.array_equal(s.numpy(), es) and np.array_equal(total.numpy(), etotal)
+    assert np.array_equal(half.numpy(), eq.reshape(5, -1, 32)[..., :16].sum(-1))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt, activations", CASES)
 def test_gemm_rows_do_not_depend_on_the_rest_of_the_pass(variant, fmt, activations):
     """Every row count from 1 to 23 (each variant's row tiles and their tails), any order, any thread count."""
-    lin = packed(fmt, n=320, k=128)
+    lin = packed(fmt, n=320, k=256 if fmt == "q6" else 128)
     x = torch.randn(23, lin.k)
     full = K.gemm(lin, x, activations=activations, variant=variant)
     for m in range(1, 24):
@@ -329,7 +363,11 @@ def test_reduced_row_counts_still_need_k_multiple_of_32():
 # --- GGUF tensors of every kind ---------------------------------------------------------------------------------
 
 
-K_QUANTS = {"Q4_K": (144, [(0, 0.01), (2, 0.002)]), "Q6_K": (210, [(208, 0.001)])}  # block bytes, (fp16 at, value)
+K_QUANTS = {  # block bytes, (fp16 at, value)
+    "Q4_K": (144, [(0, 0.01), (2, 0.002)]),
+    "Q5_K": (176, [(0, 0.01), (2, 0.002)]),
+    "Q6_K": (210, [(208, 0.001)]),
+}  # block bytes, (fp16 at, value)
 
 
 def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tuple[str, ...] = ()) -> None:
@@ -394,9 +432,39 @@ def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tupl
     w.close()
 
 
-def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path):
-    """Q4_0, Q4_1, Q4_K and Q8_0 keep their exact values in the 4- and 8-bit formats; other types (F16, Q5_0, Q6_K)
-    and mixed fused projections run in bf16, i.e. their dequantised values rounded to bf16."""
+MIXED = [
+    {  # a fused Q/K/V of three kinds (a chain), F16 beside Q5_0 in gate/up
+        "token_embd.weight": "Q5_1",
+        "output.weight": "Q6_K",
+        "blk.0.attn_q.weight": "Q4_1",
+        "blk.0.attn_k.weight": "Q4_K",
+        "blk.0.attn_v.weight": "Q6_K",
+        "blk.0.attn_output.weight": "Q8_0",
+        "blk.0.ffn_gate.weight": "F16",
+        "blk.0.ffn_up.weight": "Q5_0",
+        "blk.0.ffn_down.weight": "Q5_K",
+    },
+    {  # every projection of one kind, Q4_0 and Q8_0 beside the K-quants
+        "token_embd.weight": "Q4_K",
+        "output.weight": "Q8_0",
+        "blk.0.attn_q.weight": "Q4_0",
+        "blk.0.attn_k.weight": "Q4_0",
+        "blk.0.attn_v.weight": "Q4_0",
+        "blk.0.attn_output.weight": "Q6_K",
+        "blk.0.ffn_gate.weight": "Q5_K",
+        "blk.0.ffn_up.weight": "Q5_K",
+        "blk.0.ffn_down.weight": "Q6_K",
+    },
+]
+OWN_FORMAT = {"Q4_0": K.Q4, "Q4_1": K.Q4, "Q4_K": K.Q4, "Q5_0": K.Q5, "Q5_1": K.Q5, "Q5_K": K.Q5, "Q6_K": K.Q6}
+OWN_FORMAT |= {"Q8_0": K.Q8, "F16": K.BF16}
+
+
+@pytest.mark.parametrize("types", MIXED, ids=["chains", "uniform"])
+def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
+    """Every quantised type keeps its exact values in its own kernel format (gguf-py's dequantisation, bit for bit:
+    Q4_* as Q4, Q5_* as Q5, Q6_K as Q6, Q8_0 as Q8); F16 runs in bf16; a fused projection whose parts differ in
+    type is a chain of parts, each in its own format; the decoder on them is batch and draft invariant."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -404,37 +472,34 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path):
     from specwise.engine.model import ModelConfig
     from specwise.engine.native import NativeDecoder, from_gguf
 
-    types = {
-        "token_embd.weight": "Q8_0",
-        "output.weight": "Q6_K",
-        "blk.0.attn_q.weight": "Q4_0",
-        "blk.0.attn_k.weight": "Q4_K",
-        "blk.0.attn_v.weight": "Q4_1",
-        "blk.0.attn_output.weight": "Q8_0",
-        "blk.0.ffn_gate.weight": "F16",
-        "blk.0.ffn_up.weight": "Q5_0",
-        "blk.0.ffn_down.weight": "Q4_K",
-    }
     path = tmp_path / "mixed.gguf"
     write_gguf(path, types)
     reader = GGUFReader(str(path))
     raw = {
         t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors
     }
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
+        raw[name] = gguf.unpermute(raw[name], 4 if "attn_q" in name else 2)
+    for name, kind in types.items():
+        if kind == "F16":  # bf16 on the kernels
+            raw[name] = raw[name].bfloat16().float()
     cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
-    weights = from_gguf(reader, path, cfg)
+    weights = from_gguf(path, cfg)
     layer = weights.layers[0]
-    q, k = gguf.unpermute(raw["blk.0.attn_q.weight"], 4), gguf.unpermute(raw["blk.0.attn_k.weight"], 2)
-    qkv = torch.cat([q, k, raw["blk.0.attn_v.weight"]])
-    assert layer.qkv.fmt == K.Q4 and torch.equal(layer.qkv.dequantize(), qkv)
-    assert layer.o.fmt == K.Q8 and torch.equal(layer.o.dequantize(), raw["blk.0.attn_output.weight"])
-    assert layer.down.fmt == K.Q4 and torch.equal(layer.down.dequantize(), raw["blk.0.ffn_down.weight"])
-    gate_up = torch.cat([raw["blk.0.ffn_gate.weight"], raw["blk.0.ffn_up.weight"]])
-    assert layer.gate_up.fmt == K.BF16 and torch.equal(layer.gate_up.dequantize(), gate_up.bfloat16().float())
-    assert weights.embed.fmt == K.Q8 and torch.equal(weights.embed.dequantize(), raw["token_embd.weight"])
-    head = raw["output.weight"].bfloat16().float()
-    assert weights.head.fmt == K.BF16 and torch.equal(weights.head.dequantize(), head)
-    assert weights.precision == "native (F16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)"
+
+    def fused(p: K.PackedLinear, names: list[str]) -> None:
+        kinds = [(OWN_FORMAT[t], t.endswith("_K")) for t in (types[f"blk.0.{n}.weight"] for n in names)]
+        runs = [f for i, (f, k) in enumerate(kinds) if i == 0 or (f, k) != kinds[i - 1]]  # K scales apart
+        assert [part.fmt for part in p.parts] == runs, names
+        assert torch.equal(p.dequantize(), torch.cat([raw[f"blk.0.{n}.weight"] for n in names])), names
+
+    fused(layer.qkv, ["attn_q", "attn_k", "attn_v"])
+    fused(layer.o, ["attn_output"])
+    fused(layer.gate_up, ["ffn_gate", "ffn_up"])
+    fused(layer.down, ["ffn_down"])
+    for p, name in ((weights.embed, "token_embd.weight"), (weights.head, "output.weight")):
+        assert p.fmt == OWN_FORMAT[types[name]] and torch.equal(p.dequantize(), raw[name]), name
+    assert weights.precision == "native (" + ", ".join(sorted(set(types.values()))) + ")"
     check_invariance(NativeDecoder(weights), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [9, 8, 7, 6, 5, 4, 3])
 
 

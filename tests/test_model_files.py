@@ -103,7 +103,7 @@ def test_bad_gguf_metadata_is_refused_naming_what(tmp_path, meta, skip, message)
     with pytest.raises(SpecwiseError, match=message):
         reader = gguf.open_gguf(path)
         cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
-        NativeDecoder(from_gguf(reader, path, cfg))
+        NativeDecoder(from_gguf(path, cfg))
 
 
 def test_a_packed_tensor_that_disagrees_with_its_format_never_reaches_c():
@@ -113,7 +113,10 @@ def test_a_packed_tensor_that_disagrees_with_its_format_never_reaches_c():
     lin.check("ok")
     for broken, what in (
         (K.PackedLinear(K.Q4, 64, 64, lin.w[:1], lin.d, lin.m), "'w' is torch.uint8"),
-        (K.PackedLinear(K.Q4, 64, 64, lin.w, lin.d, None), "needs 'm'"),
+        (K.PackedLinear(K.Q4, 64, 64, lin.w, lin.d, None), r"reads \['d', 'm', 'w'\], the file holds \['d', 'w'\]"),
+        (K.PackedLinear(K.Q5, 64, 64, lin.w, lin.d, lin.m), r"reads \['d', 'h', 'm', 'w'\]"),
+        (K.PackedLinear(K.Q6, 64, 256, lin.w, lin.d), r"reads \['d', 'ds', 'h', 'w'\]"),
+        (K.PackedLinear.chain([K.pack_q4(*K.quantize_q4(torch.randn(32, 64))) for _ in range(5)]), "5 parts"),
         (K.PackedLinear(7, 64, 64, lin.w, lin.d, lin.m), "format 7"),
         (K.PackedLinear(K.Q4, 96, 64, lin.w, lin.d, lin.m), "'w' is torch.uint8"),
         (K.PackedLinear(K.Q8, 64, 64, lin.w, lin.d), "'w' is torch.uint8"),
@@ -136,17 +139,17 @@ def test_a_damaged_packed_cache_is_packed_again(tmp_path, monkeypatch, capsys):
     write_gguf(path, {"blk.0.attn_q.weight": "Q4_0", "token_embd.weight": "Q8_0"})
     reader = gguf.open_gguf(path)
     cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
-    first = _cached_native(tmp_path, cfg, lambda: from_gguf(reader, path, cfg))
+    first = _cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg))
     cached = tmp_path / f"native-v{NATIVE_VERSION}.safetensors"
     tensors = load_file(str(cached))
     meta = {"precision": first.precision, "tied": "False", **{k: v for k, v in first.state()[1].items()}}
     tensors["layers.0.qkv.w"] = tensors["layers.0.qkv.w"][:, :4].contiguous()  # an older, smaller layout
     save_file(tensors, str(cached), metadata=meta)
-    again = _cached_native(tmp_path, cfg, lambda: from_gguf(reader, path, cfg))
+    again = _cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg))
     assert "packing the weights again" in capsys.readouterr().err
     assert torch.equal(again.layers[0].qkv.w, first.layers[0].qkv.w)
     cached.write_bytes(b"not a safetensors file")
-    assert torch.equal(_cached_native(tmp_path, cfg, lambda: from_gguf(reader, path, cfg)).norm, first.norm)
+    assert torch.equal(_cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg)).norm, first.norm)
 
 
 def test_prompt_ids_outside_the_models_vocabulary_are_refused_at_submission(tmp_path):

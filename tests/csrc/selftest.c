@@ -43,10 +43,24 @@ static void expect(int same, const char* what, const char* detail) {
   }
 }
 
-/* A linear layer n × k in `fmt` with random contents; the buffers are leaked (the process is short). */
-static sw_linear make_linear(int fmt, int n, int k, int half_scales, int act, int bias) {
+static void* random_bytes(size_t n) {
+  uint8_t* p = malloc(n);
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)next();
+  return p;
+}
+
+static uint16_t* random_halves(size_t n, int allow_subnormal) {
+  uint16_t* d = malloc(n * 2);
+  for (size_t i = 0; i < n; i++) d[i] = half(allow_subnormal);
+  return d;
+}
+
+/* A linear layer n × k in `fmt` with random contents, its scales stored as `scales` (SW_SCALES_*); every byte of
+ * the values, high-bit planes and integer sub-scales random (their full ranges). The buffers are leaked (the
+ * process is short). */
+static sw_linear make_linear(int fmt, int n, int k, int scales, int act, int bias) {
   const int nb = (n + 31) / 32, KB = k / 32;
-  sw_linear L = {fmt, n, k, nb, half_scales, act, NULL, NULL, NULL, NULL};
+  sw_linear L = {fmt, n, k, nb, scales, act, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
   const size_t els = (size_t)nb * k * 32;
   if (fmt == SW_F32) {
     float* w = malloc(els * 4);
@@ -62,25 +76,33 @@ static sw_linear make_linear(int fmt, int n, int k, int half_scales, int act, in
     }
     L.w = w;
   } else {
-    const size_t bytes = fmt == SW_Q8 ? els : els / 2;
-    uint8_t* w = malloc(bytes);
-    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)next();
-    L.w = w;
-    const size_t ns = (size_t)nb * KB * 32;
-    void* scales[2] = {NULL, NULL};
-    for (int s = 0; s < (fmt == SW_Q4 ? 2 : 1); s++) {
-      if (half_scales) {
-        uint16_t* d = malloc(ns * 2);
-        for (size_t i = 0; i < ns; i++) d[i] = half(1);
-        scales[s] = d;
-      } else {
-        float* d = malloc(ns * 4);
-        for (size_t i = 0; i < ns; i++) d[i] = 0.004f * uniform();
-        scales[s] = d;
+    L.w = random_bytes(fmt == SW_Q8 ? els : els / 2);
+    if (fmt == SW_Q5 || fmt == SW_Q6) L.h = random_bytes((size_t)nb * KB * (fmt == SW_Q5 ? 128 : 256));
+    const size_t ns = (size_t)nb * KB * 32, nsup = (size_t)nb * (k / 256) * 32;
+    if (fmt == SW_Q6) {
+      L.d = random_bytes((size_t)nb * (k / 16) * 32);
+      L.ds = random_halves(nsup, 0);
+    } else {
+      void* sc[2] = {NULL, NULL};
+      const int with_min = fmt == SW_Q4 || fmt == SW_Q5;
+      for (int s = 0; s < (with_min ? 2 : 1); s++) {
+        if (scales == SW_SCALES_F16) {
+          sc[s] = random_halves(ns, 1);
+        } else if (scales == SW_SCALES_K) {
+          sc[s] = random_bytes(ns);
+        } else {
+          float* d = malloc(ns * 4);
+          for (size_t i = 0; i < ns; i++) d[i] = 0.004f * uniform();
+          sc[s] = d;
+        }
+      }
+      L.d = sc[0];
+      L.m = sc[1];
+      if (scales == SW_SCALES_K) {
+        L.ds = random_halves(nsup, 0);
+        L.ms = random_halves(nsup, 0);
       }
     }
-    L.d = scales[0];
-    L.m = scales[1];
   }
   if (bias) {
     float* b = malloc((size_t)n * 4);
@@ -90,9 +112,9 @@ static sw_linear make_linear(int fmt, int n, int k, int half_scales, int act, in
   return L;
 }
 
-static void gemm_case(const char* name, int fmt, int half_scales, int act) {
-  enum { M = 23, N = 200, K = 128 };
-  const sw_linear L = make_linear(fmt, N, K, half_scales, act, 1);
+static void gemm_case(const char* name, int fmt, int scales, int act) {
+  enum { M = 23, N = 200, K = 256 };
+  const sw_linear L = make_linear(fmt, N, K, scales, act, 1);
   static float x[M * K], full[M * N], part[M * N], y0[M * N], acc[M * N];
   for (int i = 0; i < M * K; i++) x[i] = 2.0f * uniform();
   sw_gemm(&L, x, M, K, full, N, 0, 2);
@@ -117,6 +139,25 @@ static void gemm_case(const char* name, int fmt, int half_scales, int act) {
   printf("%s %016llx\n", name, (unsigned long long)fnv(full, sizeof full, 0xcbf29ce484222325ull));
 }
 
+/* A chain (a fused layer whose parts differ in format) computes what its parts compute one by one. */
+static void chain_case(const char* name, int act) {
+  enum { M = 9, K = 256, N0 = 96, N1 = 70, N2 = 40, N = N0 + N1 + N2 };
+  sw_linear p2 = make_linear(SW_Q6, N2, K, SW_SCALES_K6, act, 1);
+  sw_linear p1 = make_linear(SW_Q5, N1, K, SW_SCALES_F16, act, 1);
+  sw_linear p0 = make_linear(SW_Q4, N0, K, SW_SCALES_K, act, 1);
+  p1.next = &p2;
+  p0.next = &p1;
+  static float x[M * K], whole[M * N], alone[M * N];
+  for (int i = 0; i < M * K; i++) x[i] = 2.0f * uniform();
+  sw_gemm(&p0, x, M, K, whole, N, 0, 2);
+  p0.next = p1.next = NULL;
+  sw_gemm(&p0, x, M, K, alone, N, 0, 2);
+  sw_gemm(&p1, x, M, K, alone + N0, N, 0, 2);
+  sw_gemm(&p2, x, M, K, alone + N0 + N1, N, 0, 2);
+  expect(!memcmp(whole, alone, sizeof whole), name, "a chain against its parts one by one");
+  printf("%s %016llx\n", name, (unsigned long long)fnv(whole, sizeof whole, 0xcbf29ce484222325ull));
+}
+
 /* --- a tiny decoder: every row's logits alone, in one pass and beside another sequence ----------------------- */
 
 enum { LAYERS = 2, C = 64, I = 128, H = 4, HKV = 2, D = 16, V = 100, POS = 64, SLOTS = 4 };
@@ -139,14 +180,14 @@ static tiny make_tiny(int layer_fmt, int head_fmt, int act, int kv_bf16) {
   sw_layer* layers = malloc(sizeof(sw_layer) * LAYERS);
   for (int l = 0; l < LAYERS; l++) {
     layers[l].attn_norm = norm_weights();
-    layers[l].qkv = make_linear(layer_fmt, (H + 2 * HKV) * D, C, 1, act, 0);
-    layers[l].o = make_linear(layer_fmt, C, H * D, 1, act, 0);
+    layers[l].qkv = make_linear(layer_fmt, (H + 2 * HKV) * D, C, SW_SCALES_F16, act, 0);
+    layers[l].o = make_linear(layer_fmt, C, H * D, SW_SCALES_F16, act, 0);
     layers[l].ffn_norm = norm_weights();
-    layers[l].gate_up = make_linear(layer_fmt, 2 * I, C, 1, act, 0);
-    layers[l].down = make_linear(layer_fmt, C, I, 1, act, 0);
+    layers[l].gate_up = make_linear(layer_fmt, 2 * I, C, SW_SCALES_F16, act, 0);
+    layers[l].down = make_linear(layer_fmt, C, I, SW_SCALES_F16, act, 0);
   }
   sw_linear* head = malloc(sizeof *head);
-  *head = make_linear(head_fmt, V, C, 1, act, 0);
+  *head = make_linear(head_fmt, V, C, SW_SCALES_F16, act, 0);
   float* cs = malloc(POS * D / 2 * 4);
   float* sn = malloc(POS * D / 2 * 4);
   for (int i = 0; i < POS * D / 2; i++) {
@@ -222,7 +263,18 @@ int main(void) {
   gemm_case("gemm-q4-fp32acts-f16scales", SW_Q4, 1, 0);
   gemm_case("gemm-q4-int8acts-f16scales", SW_Q4, 1, 1);
   gemm_case("gemm-q4-int8acts-f32scales", SW_Q4, 0, 1);
+  gemm_case("gemm-q4-int8acts-kscales", SW_Q4, SW_SCALES_K, 1);
+  gemm_case("gemm-q4-fp32acts-kscales", SW_Q4, SW_SCALES_K, 0);
+  gemm_case("gemm-q5-fp32acts-f16scales", SW_Q5, SW_SCALES_F16, 0);
+  gemm_case("gemm-q5-int8acts-f16scales", SW_Q5, SW_SCALES_F16, 1);
+  gemm_case("gemm-q5-int8acts-f32scales", SW_Q5, SW_SCALES_F32, 1);
+  gemm_case("gemm-q5-int8acts-kscales", SW_Q5, SW_SCALES_K, 1);
+  gemm_case("gemm-q6-fp32acts", SW_Q6, SW_SCALES_K6, 0);
+  gemm_case("gemm-q6-int8acts", SW_Q6, SW_SCALES_K6, 1);
+  chain_case("gemm-chain-q4k-q5-q6-int8acts", 1);
+  chain_case("gemm-chain-q4k-q5-q6-fp32acts", 0);
   decoder_case("decoder-q4-q8head-int8acts", SW_Q4, SW_Q8, 1, 1);
+  decoder_case("decoder-q5-q8head-int8acts", SW_Q5, SW_Q8, 1, 1);
   decoder_case("decoder-q4-q8head-fp32acts", SW_Q4, SW_Q8, 0, 1);
   decoder_case("decoder-bf16", SW_BF16, SW_BF16, 0, 1);
   decoder_case("decoder-f32", SW_F32, SW_F32, 0, 0);

@@ -37,10 +37,9 @@ def export_hf(model: str | Path | None, out: Path, dtype: str = "bfloat16") -> d
     cached = convert_gguf(source, digest)  # config and tokenizer, checked once per file
     config = json.loads((cached / "config.json").read_text())
     config["torch_dtype"] = dtype
-    reader = gguf.open_gguf(source)
     state = {
         name: gguf.dequantized(kind, arrays).to(TORCH_DTYPES[dtype]).contiguous()
-        for name, kind, _, arrays in gguf.tensors(reader, source)
+        for name, kind, _, arrays in gguf.tensors(source)
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))

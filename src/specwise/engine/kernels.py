@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -33,7 +34,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 6
+ABI = 7
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -42,8 +43,14 @@ REQUIRES = {
     "avx2": X86_V3,
     "avx512": (*X86_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
 }
-F32, BF16, Q8, Q4 = 0, 1, 2, 3
-FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4"}
+F32, BF16, Q8, Q4, Q5, Q6 = 0, 1, 2, 3, 4, 5
+FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4", Q5: "q5", Q6: "q6"}
+INTEGER = (Q8, Q4, Q5, Q6)  # the formats of stored integers (the int8-activation path applies)
+MINNED = (Q4, Q5)  # w = q·d + m
+# How scales are stored (csrc/kernels.h SCALES): fp32 or fp16 per 32 inputs, or uint8 multipliers of an fp16 factor
+# per 256 (a K-quant's superblock), or Q6's int8 per 16 with an fp16 factor per 256.
+SCALES_F32, SCALES_F16, SCALES_K, SCALES_K6 = 0, 1, 2, 3
+MAX_PARTS = 4  # parts of a fused layer in different formats (a chain: csrc MAX_PARTS)
 ACTIVATIONS = ("float32", "int8")  # what the linear layers of Q8/Q4 weights multiply: see csrc/kernels.h
 MAX_INPUT = 65536  # the widest layer input the int8 path takes (SW_MAX_INPUT)
 
@@ -113,12 +120,16 @@ class SwLinear(ctypes.Structure):
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
         ("nblocks", ctypes.c_int32),
-        ("half_scales", ctypes.c_int32),
+        ("scales", ctypes.c_int32),
         ("act", ctypes.c_int32),
         ("w", _P),
         ("d", _P),
         ("m", _P),
         ("bias", _P),
+        ("h", _P),
+        ("ds", _P),
+        ("ms", _P),
+        ("next", _P),
     ]
 
 
@@ -344,7 +355,7 @@ def library(variant: str | None = None) -> ctypes.CDLL:
                 raise Unsupported(_failures[variant])
         lib.sw_variant_detail.restype = ctypes.c_char_p
         lib.sw_gemm.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _I, _P, _I, _I, _I]
-        lib.sw_quantize_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P]
+        lib.sw_quantize_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P]
         lib.sw_embed.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _P, _I]
         lib.sw_rmsnorm.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I]
         lib.sw_silu_mul.argtypes = [_P, _I, _I, _P]
@@ -385,9 +396,15 @@ def available() -> bool:
 # --- weight packing --------------------------------------------------------------------------------------------
 
 
+_PARTS = ("w", "d", "m", "bias", "h", "ds", "ms")  # a packed layer's tensors, as stored
+
+
 @dataclass
 class PackedLinear:
-    """A linear layer's weights in a kernel format; the tensors stay referenced for as long as the pointers live."""
+    """A linear layer's weights in a kernel format; the tensors stay referenced for as long as the pointers live.
+    `next` continues the outputs with another part on the same inputs (a fused layer whose parts differ in format).
+    Scales: `d`, `m` per 32 inputs (fp32, fp16, or uint8 multipliers of `ds`, `ms` per 256), Q6's `d` int8 per 16
+    with `ds`; `h` the high bit planes of Q5 and Q6 (csrc/kernels.h)."""
 
     fmt: int
     n: int
@@ -396,93 +413,226 @@ class PackedLinear:
     d: torch.Tensor | None = None
     m: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+    ds: torch.Tensor | None = None
+    ms: torch.Tensor | None = None
+    next: PackedLinear | None = None
+
+    def __post_init__(self) -> None:
+        self._structs: dict[str, SwLinear] = {}  # the chain's C structs, kept alive with the tensors
 
     @property
     def nblocks(self) -> int:
         return (self.n + 31) // 32
 
     @property
+    def parts(self) -> list[PackedLinear]:
+        out: list[PackedLinear] = []
+        p: PackedLinear | None = self
+        while p is not None:
+            out.append(p)
+            p = p.next
+        return out
+
+    @property
+    def outputs(self) -> int:
+        """Outputs of the whole layer (every part of a chain)."""
+        return sum(p.n for p in self.parts)
+
+    @property
     def integer(self) -> bool:
-        """Whether the int8-activation path applies (Q8 and Q4 weights)."""
-        return self.fmt in (Q8, Q4)
+        """Whether the int8-activation path applies (stored integers) to any part."""
+        return any(p.fmt in INTEGER for p in self.parts)
+
+    @property
+    def scales(self) -> int:
+        """How this part's scales are stored (SCALES_*), from their types."""
+        if self.fmt == Q6:
+            return SCALES_K6
+        if self.ds is not None:
+            return SCALES_K
+        return SCALES_F16 if self.d is not None and self.d.dtype == torch.float16 else SCALES_F32
 
     def struct(self, activations: str = "float32") -> SwLinear:
-        def ptr(t):
-            return t.data_ptr() if t is not None else None
+        if activations not in self._structs:
+            nxt = self.next.struct(activations) if self.next is not None else None
 
-        half = int(self.d is not None and self.d.dtype == torch.float16)
-        act = int(activations == "int8" and self.integer)
-        return SwLinear(
-            self.fmt, self.n, self.k, self.nblocks, half, act, ptr(self.w), ptr(self.d), ptr(self.m), ptr(self.bias)
-        )
+            def ptr(t):
+                return t.data_ptr() if t is not None else None
+
+            act = int(activations == "int8" and self.fmt in INTEGER)
+            self._structs[activations] = SwLinear(
+                self.fmt, self.n, self.k, self.nblocks, self.scales, act, ptr(self.w), ptr(self.d), ptr(self.m),
+                ptr(self.bias), ptr(self.h), ptr(self.ds), ptr(self.ms),
+                ctypes.addressof(nxt) if nxt is not None else None,
+            )  # fmt: skip
+        return self._structs[activations]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.m, self.bias) if t is not None)
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p.tensors().values())
 
-    def check(self, name: str) -> None:
-        """SpecwiseError unless every tensor has the dtype and shape the format, n and k make the kernels read (a
-        packed file from the cache is checked before any pointer reaches C)."""
+    def bias_all(self) -> torch.Tensor | None:
+        """The whole layer's bias (zeros for a part without one), or None when no part has one."""
+        if all(p.bias is None for p in self.parts):
+            return None
+        return torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in self.parts])
 
-        def bad(what: str) -> SpecwiseError:
-            return SpecwiseError(f"packed weights {name!r}: {what} (a damaged or stale conversion cache?)")
-
-        if self.fmt not in FORMAT_NAMES:
-            raise bad(f"format {self.fmt} is not one of {sorted(FORMAT_NAMES)}")
-        if self.n < 1 or self.k < 32 or self.k % 32:
-            raise bad(f"{self.n} outputs × {self.k} inputs is not a shape the kernels take")
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | tuple[torch.dtype, ...]]]:
+        """Every tensor this part's format reads, with its shape and dtype(s)."""
         nb, k = self.nblocks, self.k
         weights = {
             F32: ((nb, k, 32), torch.float32),
             BF16: ((nb, k, 32), torch.bfloat16),
             Q8: ((nb, k // 4, 32, 4), torch.int8),
             Q4: ((nb, k // 4, 16, 4), torch.uint8),
+            Q5: ((nb, k // 4, 16, 4), torch.uint8),
+            Q6: ((nb, k // 4, 16, 4), torch.uint8),
         }[self.fmt]
-        parts = [("w", self.w, weights)]
-        for key, t in (("d", self.d), ("m", self.m)):
-            needed = (key == "d" and self.fmt in (Q8, Q4)) or (key == "m" and self.fmt == Q4)
-            if needed and t is None:
-                raise bad(f"the {FORMAT_NAMES[self.fmt]} format needs {key!r}")
-            if t is not None:
-                scale_type = t.dtype if t.dtype in (torch.float16, torch.float32) else torch.float32
-                parts.append((key, t, ((nb, k // 32, 32), scale_type)))
+        out: dict[str, tuple[tuple[int, ...], torch.dtype | tuple[torch.dtype, ...]]] = {"w": weights}
+        if self.fmt == Q5:
+            out["h"] = ((nb, k // 32, 2, 64), torch.uint8)
+        if self.fmt == Q6:
+            out["h"] = ((nb, k // 32, 2, 2, 64), torch.uint8)
+            out["d"] = ((nb, k // 16, 32), torch.int8)
+            out["ds"] = ((nb, k // 256, 32), torch.float16)
+        elif self.fmt in INTEGER:
+            keys = ("d", "m") if self.fmt in MINNED else ("d",)
+            if self.ds is not None:
+                for key in keys:
+                    out[key] = ((nb, k // 32, 32), torch.uint8)
+                    out[key + "s"] = ((nb, k // 256, 32), torch.float16)
+            else:
+                for key in keys:
+                    out[key] = ((nb, k // 32, 32), (torch.float16, torch.float32))
         if self.bias is not None:
-            parts.append(("bias", self.bias, ((self.n,), torch.float32)))
-        for key, t, (shape, dtype) in parts:
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise bad(f"{key!r} is {t.dtype} {tuple(t.shape)}, the kernels read {dtype} {shape}")
-        if self.d is not None and self.m is not None and self.d.dtype != self.m.dtype:
-            raise bad("scales and mins differ in type")
+            out["bias"] = ((self.n,), torch.float32)
+        return out
+
+    def check(self, name: str) -> None:
+        """SpecwiseError unless every tensor of every part has the dtype and shape the format, n and k make the
+        kernels read (a packed file from the cache is checked before any pointer reaches C)."""
+
+        def bad(what: str) -> SpecwiseError:
+            return SpecwiseError(f"packed weights {name!r}: {what} (a damaged or stale conversion cache?)")
+
+        parts = self.parts
+        if len(parts) > MAX_PARTS:
+            raise bad(f"{len(parts)} parts, at most {MAX_PARTS}")
+        for p in parts:
+            if p.fmt not in FORMAT_NAMES:
+                raise bad(f"format {p.fmt} is not one of {sorted(FORMAT_NAMES)}")
+            if p.n < 1 or p.k < 32 or p.k % 32 or p.k != self.k or p.k > MAX_INPUT:
+                raise bad(f"{p.n} outputs × {p.k} inputs is not a shape the kernels take")
+            if (p.fmt == Q6 or p.ds is not None) and p.k % 256:
+                raise bad(f"superblock scales need inputs in whole 256s (got {p.k})")
+            want = p.shapes()
+            have = {key: t for key, t in p.tensors().items()}
+            if set(have) != set(want):
+                raise bad(f"the {FORMAT_NAMES[p.fmt]} format reads {sorted(want)}, the file holds {sorted(have)}")
+            for key, (shape, dtype) in want.items():
+                t = have[key]
+                ok = t.dtype in dtype if isinstance(dtype, tuple) else t.dtype == dtype
+                if tuple(t.shape) != shape or not ok or not t.is_contiguous():
+                    raise bad(f"{key!r} is {t.dtype} {tuple(t.shape)}, the kernels read {dtype} {shape}")
+            if p.fmt in MINNED and p.d is not None and p.m is not None and p.d.dtype != p.m.dtype:
+                raise bad("scales and mins differ in type")
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            name: t for name, t in (("w", self.w), ("d", self.d), ("m", self.m), ("bias", self.bias)) if t is not None
-        }
+        """This part's tensors by name (the chain's other parts apart)."""
+        return {name: t for name in _PARTS if (t := getattr(self, name)) is not None}
 
     @classmethod
     def from_tensors(cls, fmt: int, n: int, k: int, tensors: dict[str, torch.Tensor]) -> PackedLinear:
-        return cls(fmt, n, k, tensors["w"], tensors.get("d"), tensors.get("m"), tensors.get("bias"))
+        unknown = set(tensors) - set(_PARTS)
+        if unknown:
+            raise SpecwiseError(f"packed weights: unknown tensors {sorted(unknown)}")
+        if "w" not in tensors:
+            raise SpecwiseError("packed weights: no 'w' tensor")
+        get = tensors.get
+        return cls(fmt, n, k, tensors["w"], get("d"), get("m"), get("bias"), get("h"), get("ds"), get("ms"))
+
+    @staticmethod
+    def chain(parts: list[PackedLinear]) -> PackedLinear:
+        """Parts on the same inputs as one fused layer (outputs in order)."""
+        for a, b in itertools.pairwise(parts):
+            a.next = b
+        return parts[0]
 
     def values(self) -> torch.Tensor:
-        """The stored integers (Q8: int8, Q4: 0..15) or floats as an (n, k) tensor, unpacked from the layout."""
+        """The stored integers (Q8: int8, Q4: 0..15, Q5: 0..31, Q6: 0..63) or floats as an (n, k) tensor of this
+        part, unpacked from the layout."""
         nb, K = self.nblocks, self.k
         if self.fmt in (F32, BF16):
             blocks = self.w  # (nb, K, 32)
-        else:  # Q8 (nb, K/4, 32, 4) as it is; Q4's bytes hold columns j and j+16
+        else:  # Q8 (nb, K/4, 32, 4) as it is; Q4/Q5/Q6's bytes hold columns j and j+16
             g = self.w if self.fmt == Q8 else torch.cat([self.w & 15, self.w >> 4], dim=2)
+            if self.fmt in (Q5, Q6):
+                g = g.to(torch.int32) | _high_bits(self.h, nb, K, 1 if self.fmt == Q5 else 2)
             blocks = g.permute(0, 1, 3, 2).reshape(nb, K, 32)
         return blocks.permute(0, 2, 1).reshape(nb * 32, K)[: self.n]
 
+    def scale_rows(self, key: str) -> torch.Tensor:
+        """d or m of this part as fp32 (n, K/32) — the block's dw or mw of the contract (for Q6: ds per 32)."""
+        n, K = self.n, self.k
+        if self.fmt == Q6 or (self.ds is not None and key == "d"):
+            assert self.ds is not None
+            factor = _unblocks(self.ds, n).float().repeat_interleave(8, dim=1)
+            if self.fmt == Q6:
+                return factor
+            assert self.d is not None
+            return factor * _unblocks(self.d, n).float()
+        if self.ds is not None:  # m of K scales
+            assert self.ms is not None and self.m is not None
+            return _unblocks(self.ms, n).float().repeat_interleave(8, dim=1) * _unblocks(self.m, n).float()
+        t = self.d if key == "d" else self.m
+        assert t is not None and t.shape[1] == K // 32
+        return _unblocks(t, n).float()
+
     def dequantize(self) -> torch.Tensor:
-        """The (n, k) fp32 weights the fp32-activation path computes with (kernels.h: q·d, q·d + m)."""
+        """The (outputs, k) fp32 weights the fp32-activation path computes with (kernels.h: q·d, q·d + m,
+        (d·sc)·(q − 32)), every part of a chain."""
+        if self.next is not None:
+            return torch.cat([p.dequantize_part() for p in self.parts])
+        return self.dequantize_part()
+
+    def dequantize_part(self) -> torch.Tensor:
         q = self.values().float()
         if self.fmt in (F32, BF16):
             return q.contiguous()
-        assert self.d is not None  # Q8 and Q4 carry scales
-        d = _unblocks(self.d, self.n).float().repeat_interleave(32, dim=1)
+        d = self.scale_rows("d").repeat_interleave(32, dim=1)
         if self.fmt == Q8:
             return (q * d).contiguous()
-        assert self.m is not None  # Q4 carries minimums
-        return (q * d + _unblocks(self.m, self.n).float().repeat_interleave(32, dim=1)).contiguous()
+        if self.fmt == Q6:
+            assert self.d is not None
+            sc = _unblocks(self.d, self.n).float().repeat_interleave(16, dim=1)
+            return ((d * sc) * (q - 32)).contiguous()
+        return (q * d + self.scale_rows("m").repeat_interleave(32, dim=1)).contiguous()
+
+
+def _high_bits(h: torch.Tensor | None, nb: int, K: int, planes: int) -> torch.Tensor:
+    """The high bit planes of Q5 (1) or Q6 (2) as the values' bits 4 (and 5), in the (nb, K/4, 32, 4) layout of
+    Q8's groups (columns 0..31)."""
+    assert h is not None
+    KB = K // 32
+    hp = h.reshape(nb, KB, planes, 2, 16, 4).to(torch.int32)  # [kb][p][half][j][t]
+    g = torch.arange(8, dtype=torch.int32)
+    bits = (hp[..., None] >> g) & 1  # [kb][p][half][j][t][g]
+    out = torch.zeros(nb, KB, 8, 2, 16, 4, dtype=torch.int32)
+    for p in range(planes):
+        out |= bits[:, :, p].permute(0, 1, 5, 2, 3, 4) << (4 + p)  # [kb][g][half][j][t]
+    return out.reshape(nb, K // 4, 32, 4)
+
+
+def _pack_high_bits(g: torch.Tensor, planes: int) -> torch.Tensor:
+    """(nb, K/4, 32, 4) values → their bit planes 4 (and 5) as kernels.h lays them out: [kb][p][half][64]."""
+    nb, K4 = g.shape[0], g.shape[1]
+    KB = K4 // 8
+    v = g.to(torch.uint8).reshape(nb, KB, 8, 2, 64)  # [kb][g][half][4j + t]
+    out = torch.zeros(nb, KB, planes, 2, 64, dtype=torch.uint8)
+    for p in range(planes):
+        for group in range(8):  # bit `group` of byte [half][4j + t]
+            out[:, :, p] |= ((v[:, :, group] >> (4 + p)) & 1) << group
+    return out if planes == 2 else out.reshape(nb, KB, 2, 64)
 
 
 def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -535,23 +685,64 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) 
     )
 
 
-def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """q (n, k) in 0..15 with d, m (n, k/32) (w = q·d + m: Q4_1; Q4_0 is m = −8d; Q4_K per 32-block) → Q4 blocks.
-    fp16 d and m are kept in fp16."""
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float().contiguous()
+
+
+def _minned(fmt: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias, ds, ms) -> PackedLinear:
     n, k = q.shape
     _check_k(k)
     g = _groups(q.to(torch.uint8), n)  # (nb, k/4, 32, 4)
-    packed = g[:, :, :16] | (g[:, :, 16:] << 4)
+    packed = (g[:, :, :16] & 15) | ((g[:, :, 16:] & 15) << 4)
+    high = _pack_high_bits(g, 1) if fmt == Q5 else None
+    if ds is not None:  # K scales: uint8 multipliers per 32 of fp16 factors per 256
+        if ms is None or k % 256:
+            raise Unsupported(f"superblock scales need mins' factors and inputs in whole 256s (got {k})")
+        return PackedLinear(
+            fmt, n, k, packed.contiguous(), _blocks(d.to(torch.uint8), n), _blocks(m.to(torch.uint8), n),
+            _bias(bias), high, _blocks(ds.to(torch.float16), n), _blocks(ms.to(torch.float16), n),
+        )  # fmt: skip
     d, m = _scales(d, m)
+    return PackedLinear(fmt, n, k, packed.contiguous(), _blocks(d, n), _blocks(m, n), _bias(bias), high)
+
+
+def pack_q4(
+    q: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ds: torch.Tensor | None = None,
+    ms: torch.Tensor | None = None,
+) -> PackedLinear:
+    """q (n, k) in 0..15 with d, m (n, k/32) (w = q·d + m: Q4_1; Q4_0 is m = −8d) → Q4 blocks; fp16 d and m stay
+    fp16. With ds, ms (n, k/256) fp16, d and m are uint8 multipliers of them (Q4_K: d·sc and −dmin·m)."""
+    return _minned(Q4, q, d, m, bias, ds, ms)
+
+
+def pack_q5(
+    q: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ds: torch.Tensor | None = None,
+    ms: torch.Tensor | None = None,
+) -> PackedLinear:
+    """q (n, k) in 0..31, scales as pack_q4's (Q5_0: m = −16d, Q5_1, Q5_K with ds, ms) → Q5 blocks."""
+    return _minned(Q5, q, d, m, bias, ds, ms)
+
+
+def pack_q6(q: torch.Tensor, sc: torch.Tensor, ds: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """q (n, k) in 0..63, sc (n, k/16) int8, ds (n, k/256) fp16 (w = ds·sc·(q − 32): Q6_K) → Q6 blocks."""
+    n, k = q.shape
+    _check_k(k)
+    if k % 256:
+        raise Unsupported(f"Q6 weights need inputs in whole 256s (got {k})")
+    g = _groups(q.to(torch.uint8), n)
+    packed = (g[:, :, :16] & 15) | ((g[:, :, 16:] & 15) << 4)
     return PackedLinear(
-        Q4,
-        n,
-        k,
-        packed.contiguous(),
-        _blocks(d, n),
-        _blocks(m, n),
-        bias=None if bias is None else bias.float().contiguous(),
-    )
+        Q6, n, k, packed.contiguous(), _blocks(sc.to(torch.int8), n), None, _bias(bias), _pack_high_bits(g, 2),
+        _blocks(ds.to(torch.float16), n),
+    )  # fmt: skip
 
 
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -583,24 +774,41 @@ def gemm(
 ) -> torch.Tensor:
     """x (M, k) fp32 → (M, n) through the kernels (tests, benchmarks)."""
     lib = library(variant)
+    if x.dim() != 2 or x.shape[1] != lin.k:
+        raise SpecwiseError(f"gemm: x must be (rows, {lin.k}) for a layer of {lin.k} inputs, got {tuple(x.shape)}")
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], lin.n)
+    y = torch.empty(x.shape[0], lin.outputs)
+    if x.shape[0] == 0:
+        return y
     s = lin.struct(activations)
     rc = lib.sw_gemm(
-        ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.n, 0, threads or pool_threads()
+        ctypes.byref(s), x.data_ptr(), x.shape[0], lin.k, y.data_ptr(), lin.outputs, 0, threads or pool_threads()
     )
     if rc != 0:
-        raise SpecwiseError("the kernels could not allocate their scratch memory")
+        raise SpecwiseError(
+            {
+                -5: "the kernels could not allocate their scratch memory",
+                -6: "gemm: packed weights the kernels do not take",
+                -4: "gemm: a row stride too small",
+            }.get(rc, f"gemm: code {rc}")
+        )
     return y
 
 
 def quantize_rows(x: torch.Tensor, variant: str | None = None) -> tuple[torch.Tensor, ...]:
-    """The int8 path's activation quantisation of x (M, K): q (M, K) int8, dx, sx (M, K/32) fp32, Σq (M, K/32)."""
+    """The int8 path's activation quantisation of x (M, K): q (M, K) int8, dx, sx (M, K/32) fp32, Σq (M, K/32)
+    and Σq of each block's first 16 inputs (M, K/32)."""
     lib = library(variant)
+    if x.dim() != 2 or x.shape[1] < 32 or x.shape[1] % 32 or x.shape[1] > MAX_INPUT:
+        raise SpecwiseError(f"quantize_rows: x must be (rows, K) with K a multiple of 32 up to {MAX_INPUT}")
     x = x.float().contiguous()
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.int8)
     d, s = torch.empty(M, K // 32), torch.empty(M, K // 32)
     total = torch.empty(M, K // 32, dtype=torch.int32)
-    lib.sw_quantize_rows(x.data_ptr(), M, K, K, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
-    return q, d, s, total
+    half = torch.empty(M, K // 32, dtype=torch.int32)
+    if M:
+        lib.sw_quantize_rows(
+            x.data_ptr(), M, K, K, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr(), half.data_ptr()
+        )
+    return q, d, s, total, half

@@ -7,7 +7,8 @@ speculative greedy output equal plain greedy output, alone or batched, in every 
 
 - ``float32``  every linear layer in fp32 (the reference), fp32 KV cache;
 - ``bfloat16`` every linear layer in bf16;
-- ``native``   a GGUF's own types: Q4_0/Q4_1/Q4_K as 4-bit, Q8_0 as 8-bit, anything else in bf16;
+- ``native``   a GGUF's own types: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1/Q5_K as 5-bit, Q6_K as 6-bit, Q8_0 as
+               8-bit, anything else in bf16;
 - ``int4`` / ``int8``  weights quantised here, group 32 (``--quantize``); the head stays 8-bit with int4.
 
 The linear layers of 4- and 8-bit weights multiply int8 activations (quantised per row and 32-block, as llama.cpp
@@ -74,9 +75,9 @@ class NativeWeights:
             want[f"layers.{i}.down"] = (L.down, C, F)
         for name, (p, n, k) in want.items():
             p.check(name)
-            if (p.n, p.k) != (n, k):
+            if (p.outputs, p.k) != (n, k):
                 raise SpecwiseError(
-                    f"packed weights {name!r} are {p.n} × {p.k}, the config implies {n} × {k} (vocab_size={V}, "
+                    f"packed weights {name!r} are {p.outputs} × {p.k}, the config implies {n} × {k} (vocab_size={V}, "
                     f"hidden_size={C}, intermediate_size={F}, heads {c.num_heads}/{c.num_kv_heads} of {c.head_dim})"
                 )
         norms = [("norm", self.norm)]
@@ -98,7 +99,7 @@ class NativeWeights:
         packed = {id(p): p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)}
         packed.update({id(self.embed): self.embed, id(self.head): self.head})
         norms = sum(L.attn_norm.numel() + L.ffn_norm.numel() for L in self.layers) + self.norm.numel()
-        return sum(p.n * p.k for p in packed.values()) + norms
+        return sum(p.outputs * p.k for p in packed.values()) + norms
 
     # --- saving in the conversion cache ---------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class NativeWeights:
             meta[name] = f"{p.fmt},{p.n},{p.k}"
             for key, t in p.tensors().items():
                 tensors[f"{name}.{key}"] = t
+            if p.next is not None:  # a fused layer's next part: NAME.next, its tensors NAME.next.KEY
+                put(f"{name}.next", p.next)
 
         put("embed", self.embed)
         if self.head is not self.embed:
@@ -124,10 +127,13 @@ class NativeWeights:
 
     @classmethod
     def from_state(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> NativeWeights:
-        def get(name: str) -> K.PackedLinear:
+        def get(name: str, depth: int = 0) -> K.PackedLinear:
             fmt, n, k = (int(v) for v in meta[name].split(","))
             parts = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
-            return K.PackedLinear.from_tensors(fmt, n, k, parts)
+            p = K.PackedLinear.from_tensors(fmt, n, k, parts)
+            if f"{name}.next" in meta and depth < K.MAX_PARTS:
+                p.next = get(f"{name}.next", depth + 1)
+            return p
 
         embed = get("embed")
         head = embed if meta.get("tied") == "True" else get("head")
@@ -213,7 +219,7 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: s
         else:
             merged = pack(torch.cat([take(n + ".weight") for n in names]), precision)
         if bias:
-            merged = replace(merged, bias=torch.cat([take(n + ".bias") for n in names]).contiguous())
+            merged = with_bias(merged, torch.cat([take(n + ".bias") for n in names]))
         return merged
 
     layers = []
@@ -238,52 +244,125 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: s
 
 
 def _concat(parts: list[K.PackedLinear]) -> K.PackedLinear:
-    """Stack packed linears along their outputs: block by block when they share a format and all but the last fill
-    whole 32-column blocks, else (a fused projection whose parts come in different types) in bf16."""
-    first = parts[0]
-    if any(p.n % 32 for p in parts[:-1]) or any(p.fmt != first.fmt or p.k != first.k for p in parts):
+    """Stack packed linears along their outputs: runs of parts that share a format and scale encoding (all but the
+    last of a run filling whole 32-column blocks) block by block, the runs chained (a fused projection whose parts
+    come in different types: each runs in its own)."""
+
+    def same(a: K.PackedLinear, b: K.PackedLinear) -> bool:
+        kinds = {key: (t.dtype, t.dim()) for key, t in a.tensors().items()}
+        return (
+            a.fmt == b.fmt
+            and a.k == b.k
+            and a.n % 32 == 0
+            and kinds == {key: (t.dtype, t.dim()) for key, t in b.tensors().items()}
+        )
+
+    runs: list[list[K.PackedLinear]] = [[parts[0]]]
+    for p in parts[1:]:
+        if same(runs[-1][-1], p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = []
+    for run in runs:
+        first = run[0]
+        if len(run) == 1:
+            merged.append(first)
+            continue
+        cat = {key: torch.cat([p.tensors()[key] for p in run]) for key in first.tensors()}
+        merged.append(K.PackedLinear.from_tensors(first.fmt, sum(p.n for p in run), first.k, cat))
+    if len(merged) > K.MAX_PARTS:  # more kinds than the kernels chain: the whole layer in bf16
         return K.pack_dense(torch.cat([p.dequantize() for p in parts]), K.BF16)
-    cat = {key: torch.cat([p.tensors()[key] for p in parts]) for key in first.tensors()}
-    return K.PackedLinear.from_tensors(first.fmt, sum(p.n for p in parts), first.k, cat)
+    return K.PackedLinear.chain(merged)
 
 
-def from_gguf(reader, path, cfg: ModelConfig) -> NativeWeights:
-    """Pack a GGUF file's tensors in their own precision (Q4_*/Q8_0 natively, other types in bf16)."""
-    raw: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
-    types: set[str] = set()
-    for name, kind, type_name, arrays in gguf.tensors(reader, path):
-        raw[name] = (kind, arrays)
-        if kind != "dense" or arrays["w"].dim() > 1:
-            types.add(type_name)
+def with_bias(p: K.PackedLinear, bias: torch.Tensor) -> K.PackedLinear:
+    """The layer `p` (a chain too) with `bias` over all its outputs, each part taking its own columns."""
+    parts, start = [], 0
+    for part in p.parts:
+        parts.append(replace(part, bias=bias[start : start + part.n].float().contiguous(), next=None))
+        start += part.n
+    return K.PackedLinear.chain(parts)
 
-    def get(name: str) -> tuple[str, dict[str, torch.Tensor]]:
-        if name not in raw:
+
+def pack_decoded(kind: str, arrays: dict[str, torch.Tensor]) -> K.PackedLinear:
+    """A decoded GGUF tensor (gguf.decode) in its kernel format; a type without one in bf16."""
+    if kind in ("q4", "q5"):
+        pack_fn = K.pack_q4 if kind == "q4" else K.pack_q5
+        return pack_fn(arrays["q"], arrays["d"], arrays["m"], ds=arrays.get("ds"), ms=arrays.get("ms"))
+    if kind == "q6":
+        return K.pack_q6(arrays["q"], arrays["sc"], arrays["ds"])
+    if kind == "q8":
+        return K.pack_q8(arrays["q"], arrays["d"])
+    return K.pack_dense(arrays["w"], K.BF16)
+
+
+def _assemble(parts, n: int) -> K.PackedLinear:
+    """Row chunks of one tensor, packed, copied into the whole layer's tensors as they come (one chunk's copy held
+    at a time besides the result). fp16 scales of a chunk beside fp32 ones of another go fp32 (exact)."""
+    it = iter(parts)
+    first = next(it)
+    if first.n == n:
+        return first
+    nb = (n + 31) // 32
+    whole = {key: t.new_empty((nb, *t.shape[1:]) if key != "bias" else (n,)) for key, t in first.tensors().items()}
+    out = K.PackedLinear.from_tensors(first.fmt, n, first.k, whole)
+    row = 0
+    for part in (first, *it):
+        b0 = row // 32
+        for key, t in part.tensors().items():
+            dst = getattr(out, key)
+            if dst.dtype != t.dtype:  # fp16 and fp32 scales in one tensor: all fp32
+                dst = dst.float()
+                setattr(out, key, dst)
+                t = t.float()
+            if key == "bias":
+                dst[row : row + part.n] = t
+            else:
+                dst[b0 : b0 + part.nblocks] = t
+        row += part.n
+    return out
+
+
+def _release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc keeps the chunks' freed transients otherwise, and the
+    first load's peak would grow with them); nothing where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def from_gguf(path, cfg: ModelConfig) -> NativeWeights:
+    """Pack a GGUF file's tensors in their own precision (gguf.NATIVE_TYPES natively, other types in bf16), tensor
+    by tensor and row chunk by row chunk: memory holds the packed weights and one chunk."""
+    src = gguf.Source(path)
+
+    def needed(name: str) -> str:
+        if name not in src.by_name:
             raise SpecwiseError(f"{path}: the file lacks tensor {name!r}")
-        kind, arrays = raw[name]
-        check_shape(name, tuple(arrays["q" if kind != "dense" else "w"].shape), cfg, path)
-        return raw[name]
+        check_shape(name, src.shape(name), cfg, path)
+        return name
 
     def packed(names: list[str]) -> K.PackedLinear:
-        parts = []
-        for n in names:
-            kind, arrays = get(n)
-            if kind == "q4":
-                parts.append(K.pack_q4(arrays["q"], arrays["d"], arrays["m"]))
-            elif kind == "q8":
-                parts.append(K.pack_q8(arrays["q"], arrays["d"]))
-            else:
-                parts.append(K.pack_dense(arrays["w"], K.BF16))
+        parts = [
+            _assemble((pack_decoded(kind, arrays) for kind, _, arrays in src.chunks(needed(n))), src.shape(n)[0])
+            for n in names
+        ]
+        _release_freed_memory()
         return parts[0] if len(parts) == 1 else _concat(parts)
 
     def dense(name: str) -> torch.Tensor:
-        return gguf.dequantized(*get(name)).float().contiguous()
+        return gguf.dequantized(*src.whole(needed(name))).float().contiguous()
+
+    types = {src.by_name[n].tensor_type.name for n in src.by_name if len(src.shape(n)) > 1}
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         qkv = packed([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         if cfg.qkv_bias:
-            qkv = replace(qkv, bias=torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            qkv = with_bias(qkv, torch.cat([dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
         layers.append(
             NativeLayer(
                 dense(p + "input_layernorm.weight"),
@@ -515,7 +594,7 @@ class NativeDecoder:
 
         def tensors(w: NativeWeights) -> dict[int, torch.Tensor]:
             packed = [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [w.embed, w.head]
-            return {t.data_ptr(): t for p in packed for t in p.tensors().values()}
+            return {t.data_ptr(): t for p in packed for part in p.parts for t in part.tensors().values()}
 
         shared = tensors(base.weights)
         return sum(t.numel() * t.element_size() for ptr, t in tensors(self.weights).items() if ptr not in shared)
@@ -536,7 +615,7 @@ class NativeDecoder:
         dequantised reference of a quantised model) on the same kernels; embeddings and norms are shared."""
 
         def again(p: K.PackedLinear) -> K.PackedLinear:
-            return pack(p.dequantize(), precision, p.bias)
+            return pack(p.dequantize(), precision, p.bias_all())
 
         layers = [
             NativeLayer(

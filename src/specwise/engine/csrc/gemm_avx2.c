@@ -58,9 +58,34 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 #define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
 #endif
 
-static inline __m256 scales8(const sw_linear* L, const void* base, size_t at) {
-  if (L->half_scales) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + at)));
-  return _mm256_loadu_ps((const float*)base + at);
+static inline __m256 half8(const void* base, size_t at) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + at)));
+}
+
+/* Columns c0..c0+7 of 32-block kb's scale (which = 0) or min (1) as fp32, in the layer's encoding (sw_scale). */
+static inline __m256 scales8(const sw_linear* L, int which, int blk, int kb, int c0) {
+  const void* base = which ? L->m : L->d;
+  switch (L->scales) {
+    case SW_SCALES_F16: return half8(base, sw_at32(L, blk, kb, c0));
+    case SW_SCALES_K: {
+      const __m256 f = half8(which ? L->ms : L->ds, sw_at256(L, blk, kb, c0));
+      const __m128i u = _mm_loadl_epi64((const __m128i*)((const uint8_t*)base + sw_at32(L, blk, kb, c0)));
+      return _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u)));
+    }
+    case SW_SCALES_K6: return half8(L->ds, sw_at256(L, blk, kb, c0));
+    default: return _mm256_loadu_ps((const float*)base + sw_at32(L, blk, kb, c0));
+  }
+}
+
+/* Q6's integer sub-scales of columns c0..c0+7 for 16-half h of 32-block kb. */
+static inline __m256i subscales8(const sw_linear* L, int blk, int kb, int h, int c0) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)L->d + sw_at16(L, blk, kb, h, c0))));
+}
+
+/* Bit g of every byte of a high-bit plane moved to bit t (g, t constants once unrolled), the other bits clear. */
+static inline __attribute__((always_inline)) __m256i plane_bit(__m256i h, const int g, const int t) {
+  const __m256i v = t >= g ? _mm256_slli_epi16(h, t - g) : _mm256_srli_epi16(h, g - t);
+  return _mm256_and_si256(v, _mm256_set1_epi8((char)(1 << t)));
 }
 
 static inline __m256i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
@@ -106,12 +131,11 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
         }
       }
     }
-    const size_t at = ((size_t)blk * KB + kb) * 32;
     #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
       const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
-      const __m256 d_lo = scales8(L, L->d, at + c_lo), d_hi = scales8(L, L->d, at + c_hi);
-      const __m256 m_lo = scales8(L, L->m, at + c_lo), m_hi = scales8(L, L->m, at + c_hi);
+      const __m256 d_lo = scales8(L, 0, blk, kb, c_lo), d_hi = scales8(L, 0, blk, kb, c_hi);
+      const __m256 m_lo = scales8(L, 1, blk, kb, c_lo), m_hi = scales8(L, 1, blk, kb, c_hi);
       #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
@@ -130,6 +154,106 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
       _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
       _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
     }
+}
+
+/* Q5 and Q6 (BITS = 5, 6), R rows × NH halves of the block as Q4's. The high bits come from the planes (bit g of a
+ * plane byte: group g's value), shifted into place. A vpmaddubsw result is at most 2·63·127, so each group's pairs
+ * go to int32 at once (vpmaddwd), as Q8's. Q6 takes each 16-half (groups 0-3, 4-7) into the accumulators with its
+ * integer sub-scale: sc · (Σq·x − 32·Σx of the half). */
+static inline __attribute__((always_inline)) void qh_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int h0, const int NH, const int R, const int BITS) {
+  const int K = L->k, KB = K / 32;
+  const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
+  const uint8_t* H = (const uint8_t*)L->h + (size_t)blk * KB * (BITS == 5 ? 128 : 256);
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][2][2];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
+    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  for (int kb = 0; kb < KB; kb++) {
+    __m256i s[4][2][2];
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+      #pragma GCC unroll 16
+      for (int h = 0; h < NH; h++) s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
+    const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    const uint8_t* hb = H + (size_t)kb * (BITS == 5 ? 128 : 256);
+    #pragma GCC unroll 16
+    for (int g = 0; g < 8; g++) {
+      _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
+      #pragma GCC unroll 16
+      for (int h = 0; h < NH; h++) {
+        const int o = (h0 + h) * 32;
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wb + g * 64 + o));
+        __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        lo = _mm256_or_si256(lo, plane_bit(_mm256_loadu_si256((const __m256i*)(hb + o)), g, 4));
+        hi = _mm256_or_si256(hi, plane_bit(_mm256_loadu_si256((const __m256i*)(hb + 64 + o)), g, 4));
+        if (BITS == 6) {
+          lo = _mm256_or_si256(lo, plane_bit(_mm256_loadu_si256((const __m256i*)(hb + 128 + o)), g, 5));
+          hi = _mm256_or_si256(hi, plane_bit(_mm256_loadu_si256((const __m256i*)(hb + 192 + o)), g, 5));
+        }
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
+          s[r][h][0] = _mm256_add_epi32(s[r][h][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones));
+          s[r][h][1] = _mm256_add_epi32(s[r][h][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), ones));
+          KEEP(s[r][h][0]);
+          KEEP(s[r][h][1]);
+        }
+      }
+      if (BITS == 6 && (g == 3 || g == 7)) {
+        const int half = g / 4;
+        #pragma GCC unroll 16
+        for (int h = 0; h < NH; h++) {
+          const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
+          const __m256i sc_lo = subscales8(L, blk, kb, half, c_lo), sc_hi = subscales8(L, blk, kb, half, c_hi);
+          const __m256 d_lo = scales8(L, 0, blk, kb, c_lo), d_hi = scales8(L, 0, blk, kb, c_hi);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; r++) {
+            const int32_t first = X->half[(size_t)r * KB + kb];
+            const __m256i off = _mm256_set1_epi32(32 * (half ? X->sum[(size_t)r * KB + kb] - first : first));
+            const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
+            const __m256i i_lo = _mm256_mullo_epi32(sc_lo, _mm256_sub_epi32(s[r][h][0], off));
+            const __m256i i_hi = _mm256_mullo_epi32(sc_hi, _mm256_sub_epi32(s[r][h][1], off));
+            acc[r][h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_lo), _mm256_mul_ps(d_lo, dx), acc[r][h][0]);
+            acc[r][h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_hi), _mm256_mul_ps(d_hi, dx), acc[r][h][1]);
+            s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
+          }
+        }
+      }
+    }
+    if (BITS == 6) continue;
+    #pragma GCC unroll 16
+    for (int h = 0; h < NH; h++) {
+      const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
+      const __m256 d_lo = scales8(L, 0, blk, kb, c_lo), d_hi = scales8(L, 0, blk, kb, c_hi);
+      const __m256 m_lo = scales8(L, 1, blk, kb, c_lo), m_hi = scales8(L, 1, blk, kb, c_hi);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; r++) {
+        const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
+        const __m256 sx = _mm256_broadcast_ss(X->s + (size_t)r * KB + kb);
+        acc[r][h][0] = _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d_lo, dx), acc[r][h][0]));
+        acc[r][h][1] = _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]), _mm256_mul_ps(d_hi, dx), acc[r][h][1]));
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++)
+    #pragma GCC unroll 16
+    for (int h = 0; h < NH; h++) {
+      _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
+      _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q5_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int h0, const int NH, const int R) {
+  qh_rows(L, blk, X, out, h0, NH, R, 5);
+}
+static inline __attribute__((always_inline)) void q6_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int h0, const int NH, const int R) {
+  qh_rows(L, blk, X, out, h0, NH, R, 6);
 }
 
 /* Q8, R rows × NH halves (half h: columns 16h..16h+15, two vectors). Signed weights: vpmaddubsw takes |w| and
@@ -172,10 +296,9 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
         }
       }
     }
-    const size_t at = ((size_t)blk * KB + kb) * 32;
     #pragma GCC unroll 16
     for (int h = 0; h < NH; h++) {
-      const __m256 d0 = scales8(L, L->d, at + 16 * (h0 + h)), d1 = scales8(L, L->d, at + 16 * (h0 + h) + 8);
+      const __m256 d0 = scales8(L, 0, blk, kb, 16 * (h0 + h)), d1 = scales8(L, 0, blk, kb, 16 * (h0 + h) + 8);
       #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
@@ -212,7 +335,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
       const int R = (M - r) / (tiles - i);                                                                    \
       const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
-                           X->sum + (size_t)r * KB, K};                                                       \
+                           X->sum + (size_t)r * KB, X->half + (size_t)r * KB, K};                             \
       switch (R) {                                                                                            \
         case 1: TILE(KERNEL, 1); break;                                                                       \
         case 2: TILE(KERNEL, 2); break;                                                                       \
@@ -225,8 +348,10 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
 
 void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
   const int K = L->k, KB = K / 32;
-  if (L->fmt == SW_Q4)
-    DISPATCH(q4_rows);
-  else
-    DISPATCH(q8_rows);
+  switch (L->fmt) {
+    case SW_Q4: DISPATCH(q4_rows); break;
+    case SW_Q5: DISPATCH(q5_rows); break;
+    case SW_Q6: DISPATCH(q6_rows); break;
+    default: DISPATCH(q8_rows); break;
+  }
 }

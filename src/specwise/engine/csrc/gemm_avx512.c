@@ -66,9 +66,28 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 #define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
 #endif
 
-static inline __m512 scales16(const sw_linear* L, const void* base, size_t at) {
-  if (L->half_scales) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + at)));
-  return _mm512_loadu_ps((const float*)base + at);
+static inline __m512 half16(const void* base, size_t at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + at)));
+}
+
+/* Columns c0..c0+15 of 32-block kb's scale (which = 0) or min (1) as fp32, in the layer's encoding (sw_scale). */
+static inline __m512 scales16(const sw_linear* L, int which, int blk, int kb, int c0) {
+  const void* base = which ? L->m : L->d;
+  switch (L->scales) {
+    case SW_SCALES_F16: return half16(base, sw_at32(L, blk, kb, c0));
+    case SW_SCALES_K: {
+      const __m512 f = half16(which ? L->ms : L->ds, sw_at256(L, blk, kb, c0));
+      const __m128i u = _mm_loadu_si128((const __m128i*)((const uint8_t*)base + sw_at32(L, blk, kb, c0)));
+      return _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)));
+    }
+    case SW_SCALES_K6: return half16(L->ds, sw_at256(L, blk, kb, c0));
+    default: return _mm512_loadu_ps((const float*)base + sw_at32(L, blk, kb, c0));
+  }
+}
+
+/* Q6's integer sub-scales of columns c0..c0+15 for 16-half h of 32-block kb. */
+static inline __m512i subscales16(const sw_linear* L, int blk, int kb, int h, int c0) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)L->d + sw_at16(L, blk, kb, h, c0))));
 }
 
 static inline __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
@@ -85,12 +104,16 @@ static inline __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every
 #define DOT_U8S8(acc, u, s) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), ones))
 #endif
 
-/* Q4, R rows × the whole block (low nibbles: columns 0-15, high: 16-31). */
-static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
-                                                          const int R) {
+/* Q4, Q5 and Q6 (BITS = 4, 5, 6), R rows × the whole block (low nibbles: columns 0-15, high: 16-31). Q5's and Q6's
+ * high bits come from their planes: bit g of a plane byte is the bit of group g's value, tested into a byte mask
+ * and added in (the nibble leaves those bits clear). Q6 sums each 16-half on its own (groups 0-3, 4-7) and takes
+ * it into the accumulator with its integer sub-scale, Σ(q − 32)·x = Σq·x − 32·Σx of the half. */
+static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R, const int BITS) {
   const int K = L->k, KB = K / 32;
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const uint8_t* H = BITS > 4 ? (const uint8_t*)L->h + (size_t)blk * KB * (BITS == 5 ? 128 : 256) : NULL;
+  const __m512i nib = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16), b32 = _mm512_set1_epi8(32);
 #if !defined(__AVX512VNNI__)
   const __m512i ones = _mm512_set1_epi16(1);
 #endif
@@ -102,21 +125,56 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     const uint8_t* wb = W + (size_t)kb * 8 * 64;
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0;
+    if (BITS > 4) {
+      const uint8_t* hb = H + (size_t)kb * (BITS == 5 ? 128 : 256);
+      h0 = _mm512_loadu_si512((const void*)hb); /* bit 4, low nibbles' values */
+      h1 = _mm512_loadu_si512((const void*)(hb + 64)); /* bit 4, high nibbles' */
+      if (BITS == 6) {
+        h2 = _mm512_loadu_si512((const void*)(hb + 128)); /* bit 5, low */
+        h3 = _mm512_loadu_si512((const void*)(hb + 192)); /* bit 5, high */
+      }
+    }
     #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512((const void*)(wb + g * 64));
-      const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      if (BITS > 4) {
+        const __m512i bit = _mm512_set1_epi8((char)(1 << g));
+        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h0, bit), lo, b16);
+        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h1, bit), hi, b16);
+        if (BITS == 6) {
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h2, bit), lo, b32);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h3, bit), hi, b32);
+        }
+      }
       #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m512i xb = bcast4(X->q + (size_t)r * K + kb * 32 + g * 4);
         s[r][0] = DOT_U8S8(s[r][0], lo, xb);
         s[r][1] = DOT_U8S8(s[r][1], hi, xb);
       }
+      if (BITS == 6 && (g == 3 || g == 7)) { /* a 16-half done: sc · (Σq·x − 32·Σx) into the accumulators */
+        const int h = g / 4;
+        const __m512i sc0 = subscales16(L, blk, kb, h, 0), sc1 = subscales16(L, blk, kb, h, 16);
+        const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const int32_t first = X->half[(size_t)r * KB + kb];
+          const __m512i off = _mm512_set1_epi32(32 * (h ? X->sum[(size_t)r * KB + kb] - first : first));
+          const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
+          const __m512i i0 = _mm512_mullo_epi32(sc0, _mm512_sub_epi32(s[r][0], off));
+          const __m512i i1 = _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s[r][1], off));
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), acc[r][1]);
+          s[r][0] = s[r][1] = _mm512_setzero_si512();
+        }
+      }
     }
-    const size_t at = ((size_t)blk * KB + kb) * 32;
-    const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
-    const __m512 m0 = scales16(L, L->m, at), m1 = scales16(L, L->m, at + 16);
+    if (BITS == 6) continue;
+    const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
+    const __m512 m0 = scales16(L, 1, blk, kb, 0), m1 = scales16(L, 1, blk, kb, 16);
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]), sx = _mm512_set1_ps(X->s[(size_t)r * KB + kb]);
@@ -129,6 +187,19 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
     _mm512_storeu_ps(out + r * 32, acc[r][0]);
     _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
   }
+}
+
+static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R) {
+  qn_rows(L, blk, X, out, R, 4);
+}
+static inline __attribute__((always_inline)) void q5_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R) {
+  qn_rows(L, blk, X, out, R, 5);
+}
+static inline __attribute__((always_inline)) void q6_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+                                                          const int R) {
+  qn_rows(L, blk, X, out, R, 6);
 }
 
 /* Q8, R rows × the whole block (two vectors of 16 columns). With VNNI the signed weights go in offset by 128
@@ -176,8 +247,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       }
 #endif
     }
-    const size_t at = ((size_t)blk * KB + kb) * 32;
-    const __m512 d0 = scales16(L, L->d, at), d1 = scales16(L, L->d, at + 16);
+    const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
@@ -204,7 +274,7 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
       const int R = (M - r) / (tiles - i);                                                                    \
       const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
-                           X->sum + (size_t)r * KB, K};                                                       \
+                           X->sum + (size_t)r * KB, X->half + (size_t)r * KB, K};                             \
       switch (R) {                                                                                            \
         case 1: KERNEL(L, blk, &Xr, out + r * 32, 1); break;                                                  \
         case 2: KERNEL(L, blk, &Xr, out + r * 32, 2); break;                                                  \
@@ -219,8 +289,10 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
 
 void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
   const int K = L->k, KB = K / 32;
-  if (L->fmt == SW_Q4)
-    DISPATCH(q4_rows);
-  else
-    DISPATCH(q8_rows);
+  switch (L->fmt) {
+    case SW_Q4: DISPATCH(q4_rows); break;
+    case SW_Q5: DISPATCH(q5_rows); break;
+    case SW_Q6: DISPATCH(q6_rows); break;
+    default: DISPATCH(q8_rows); break;
+  }
 }

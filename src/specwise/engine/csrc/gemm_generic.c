@@ -21,15 +21,14 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
   }
 }
 
-static inline float scale(const sw_linear* L, const void* base, size_t at) {
-  return L->half_scales ? sw_f16_to_f32(((const uint16_t*)base)[at]) : ((const float*)base)[at];
-}
-
 /* A 32-block of one column block's weights as int32 values [32 inputs][32 columns] (unpacked once, used by every
  * row). Lane-wise on 32-bit words — a word holds one column's 4 inputs — so the compiler vectorises it, and the
  * products below, for whatever SIMD it targets. */
 static void unpack_block(const sw_linear* L, int blk, int kb, int32_t* wv) {
   const int K = L->k;
+  const uint8_t* hb = L->fmt == SW_Q5   ? (const uint8_t*)L->h + ((size_t)blk * (K / 32) + kb) * 128
+                      : L->fmt == SW_Q6 ? (const uint8_t*)L->h + ((size_t)blk * (K / 32) + kb) * 256
+                                        : NULL;
   for (int g = 0; g < 8; g++) {
     const size_t group = (size_t)blk * (K / 4) + kb * 8 + g;
     uint32_t u[32];
@@ -42,6 +41,15 @@ static void unpack_block(const sw_linear* L, int blk, int kb, int32_t* wv) {
         for (int j = 0; j < 16; j++) {
           row[j] = (int32_t)((u[j] >> (8 * kk)) & 15);
           row[j + 16] = (int32_t)((u[j] >> (8 * kk + 4)) & 15);
+          if (hb) { /* Q5: bit 4 from plane [half][byte]; Q6: bits 4 and 5 from planes [p][half][byte] */
+            const int i = 4 * j + kk;
+            row[j] |= (int32_t)((hb[i] >> g) & 1) << 4;
+            row[j + 16] |= (int32_t)((hb[64 + i] >> g) & 1) << 4;
+            if (L->fmt == SW_Q6) {
+              row[j] |= (int32_t)((hb[128 + i] >> g) & 1) << 5;
+              row[j + 16] |= (int32_t)((hb[192 + i] >> g) & 1) << 5;
+            }
+          }
         }
       }
     }
@@ -78,9 +86,8 @@ static void one_row(const sw_linear* L, int blk, const sw_qrows* X, float* out) 
     }
     const float dx = X->d[kb], sx = X->s[kb];
     for (int c = 0; c < 32; c++) {
-      const size_t at = ((size_t)blk * KB + kb) * 32 + c;
-      acc[c] = sw_fma((float)isum[c], scale(L, L->d, at) * dx, acc[c]);
-      if (L->fmt == SW_Q4) acc[c] = sw_fma(scale(L, L->m, at), sx, acc[c]);
+      acc[c] = sw_fma((float)isum[c], sw_scale(L, 0, blk, kb, c) * dx, acc[c]);
+      if (L->fmt == SW_Q4) acc[c] = sw_fma(sw_scale(L, 1, blk, kb, c), sx, acc[c]);
     }
   }
   for (int c = 0; c < 32; c++) out[c] = acc[c];
@@ -88,7 +95,7 @@ static void one_row(const sw_linear* L, int blk, const sw_qrows* X, float* out) 
 
 void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
   const int K = L->k, KB = K / 32;
-  if (M == 1) {
+  if (M == 1 && (L->fmt == SW_Q8 || L->fmt == SW_Q4)) {
     one_row(L, blk, X, out);
     return;
   }
@@ -97,24 +104,39 @@ void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float*
     for (int c = 0; c < 32; c++) out[r * 32 + c] = 0.0f;
   for (int kb = 0; kb < KB; kb++) {
     unpack_block(L, blk, kb, wv);
+    const int minned = L->fmt == SW_Q4 || L->fmt == SW_Q5;
     float dw[32], mw[32];
+    int32_t sc[2][32];
     for (int c = 0; c < 32; c++) {
-      const size_t at = ((size_t)blk * KB + kb) * 32 + c;
-      dw[c] = scale(L, L->d, at);
-      mw[c] = L->fmt == SW_Q4 ? scale(L, L->m, at) : 0.0f;
+      dw[c] = sw_scale(L, 0, blk, kb, c);
+      mw[c] = minned ? sw_scale(L, 1, blk, kb, c) : 0.0f;
+      if (L->fmt == SW_Q6)
+        for (int h = 0; h < 2; h++) sc[h][c] = ((const int8_t*)L->d)[sw_at16(L, blk, kb, h, c)];
     }
     for (int r = 0; r < M; r++) {
       const int8_t* xq = X->q + (size_t)r * K + kb * 32;
+      const float dx = X->d[(size_t)r * KB + kb], sx = X->s[(size_t)r * KB + kb];
+      float* acc = out + r * 32;
+      if (L->fmt == SW_Q6) { /* per 16-half: sc · Σ (q − 32)·x, Σ x of the half taken out once */
+        const int32_t xs[2] = {X->half[(size_t)r * KB + kb], X->sum[(size_t)r * KB + kb] - X->half[(size_t)r * KB + kb]};
+        for (int h = 0; h < 2; h++) {
+          int32_t isum[32] = {0};
+          for (int k = 16 * h; k < 16 * h + 16; k++) {
+            const int32_t xv = xq[k];
+            for (int c = 0; c < 32; c++) isum[c] += wv[k * 32 + c] * xv;
+          }
+          for (int c = 0; c < 32; c++) acc[c] = sw_fma((float)(sc[h][c] * (isum[c] - 32 * xs[h])), dw[c] * dx, acc[c]);
+        }
+        continue;
+      }
       int32_t isum[32] = {0};
       for (int k = 0; k < 32; k++) {
         const int32_t xv = xq[k];
         for (int c = 0; c < 32; c++) isum[c] += wv[k * 32 + c] * xv;
       }
-      const float dx = X->d[(size_t)r * KB + kb], sx = X->s[(size_t)r * KB + kb];
-      float* acc = out + r * 32;
       for (int c = 0; c < 32; c++) {
         acc[c] = sw_fma((float)isum[c], dw[c] * dx, acc[c]);
-        if (L->fmt == SW_Q4) acc[c] = sw_fma(mw[c], sx, acc[c]);
+        if (minned) acc[c] = sw_fma(mw[c], sx, acc[c]);
       }
     }
   }

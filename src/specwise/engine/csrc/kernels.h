@@ -23,16 +23,25 @@
  *
  *     fp32 activations (every format; the reference, exact to the weights):
  *         acc = 0;  for k = 0 .. K-1:  acc = fma(x[r][k], w[c][k], acc)
- *       where w is the dequantised weight: F32 as stored, BF16 widened, Q8 q·d, Q4 q·d + m (q·d is exact in fp32
- *       for these widths, so w has one rounding at most: PackedLinear.dequantize() in kernels.py gives the same).
+ *       where w is the dequantised weight: F32 as stored, BF16 widened, Q8 q·d, Q4 and Q5 q·d + m, Q6
+ *       (d·sc)·(q − 32) (q·d and d·sc are exact in fp32 for these widths, so w has one rounding at most:
+ *       PackedLinear.dequantize() in kernels.py gives the same).
  *
- *     int8 activations (Q8 and Q4 weights; llama.cpp's scheme, its own precision): each row is quantised per
- *     32-block b of its inputs (sw_quantize_rows: amax = max|x|, dx = amax / 127, id = dx ? 1 / dx : 0,
- *     q = rint(x · id), ties to even, within ±127 for finite x; sx = dx · Σq), then
+ *     int8 activations (Q8, Q4, Q5 and Q6 weights; llama.cpp's scheme, its own precision): each row is quantised
+ *     per 32-block b of its inputs (sw_quantize_rows: amax = max|x|, dx = amax / 127, id = dx ? 1 / dx : 0,
+ *     q = rint(x · id), ties to even, within ±127 for finite x; sx = dx · Σq; Σq of the block's first 16 inputs
+ *     kept too), then
  *         acc = 0;  for b = 0 .. K/32-1:
- *             isum = Σ_k qw[c][k] · qx[r][k] over the block            (exact, in integers: any order)
- *             acc = fma((float) isum, dw[c][b] · dx[r][b], acc)
- *             Q4 only:  acc = fma(mw[c][b], sx[r][b], acc)
+ *             Q8, Q4, Q5:
+ *               isum = Σ_k qw[c][k] · qx[r][k] over the block          (exact, in integers: any order)
+ *               acc = fma((float) isum, dw[c][b] · dx[r][b], acc)
+ *               Q4, Q5 only:  acc = fma(mw[c][b], sx[r][b], acc)
+ *             Q6 (each 32-block is two 16-halves h with integer sub-scales sc[c][2b+h]):
+ *               for h = 0, 1:  isum = sc[c][2b+h] · Σ_k (qw[c][k] − 32) · qx[r][k] over the half  (exact)
+ *                              acc = fma((float) isum, dw[c][b] · dx[r][b], acc)
+ *
+ *     where dw, mw are the block's scale and min as fp32 (below: SCALES) — the fp32 path's weight is q·dw + mw
+ *     (Q4, Q5), q·dw (Q8), (dw·sc)·(q − 32) (Q6: dw·sc exact, one rounding).
  *
  *     Then y = acc + bias[c] (when there is a bias), or y += that when the layer accumulates into y.
  *  3. Norms, softmax and the rest reduce each row in one fixed order (decoder.c), on 16-lane vectors whose lanes
@@ -47,7 +56,22 @@
  *   Q8    w [nb][K/4][32][4]  int8             element (k, c) at [k/4][c][k%4];  w = q·d
  *   Q4    w [nb][K/4][16][4]  uint8            byte [k/4][j][k%4] holds column j (low nibble) and column j+16
  *                                              (high nibble), q in 0..15;  w = q·d + m
- *   scales and mins (Q8, Q4)  d, m [nb][K/32][32]  fp16 (half_scales) or fp32
+ *   Q5    w as Q4 (the low 4 bits), and       q in 0..31;  w = q·d + m
+ *         h [nb][K/32][2][64] uint8            bit g of byte [b][half][i] is bit 4 of the value in nibble half
+ *                                              `half` (0 low, 1 high) of byte i of 4-input group g of block b
+ *   Q6    w as Q4 (the low 4 bits), and       q in 0..63;  w = d·sc·(q − 32)
+ *         h [nb][K/32][2][2][64] uint8         [b][p][half][i]: as Q5's, bit 4 + p of the value (p = 0, 1)
+ *
+ * SCALES (sw_linear.scales), d and m [nb][K/32][32] per column and 32-block:
+ *   SW_SCALES_F32  fp32
+ *   SW_SCALES_F16  fp16 (GGUF's own for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0)
+ *   SW_SCALES_K    d, m uint8 multipliers of fp16 factors ds, ms [nb][K/256][32] (a K-quant's 256-superblock):
+ *                  dw = ds[b/8] · d[b], mw = ms[b/8] · m[b] — exact products, so the same numbers as fp32 scales
+ *                  in a quarter of the bytes
+ *   SW_SCALES_K6   Q6 only: d int8 [nb][K/16][32] (sc, one per 16 inputs), ds fp16 [nb][K/256][32] (dw = ds[b/8])
+ *
+ * A fused layer whose parts differ in format (Q, K and V of different types) is a chain: `next` continues the
+ * outputs (the next part's column 0 is this part's column n) on the same inputs.
  */
 #ifndef SPECWISE_KERNELS_H
 #define SPECWISE_KERNELS_H
@@ -55,18 +79,23 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 6
+#define SW_ABI 7
 
-enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3 };
+enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3, SW_Q5 = 4, SW_Q6 = 5 };
+enum { SW_SCALES_F32 = 0, SW_SCALES_F16 = 1, SW_SCALES_K = 2, SW_SCALES_K6 = 3 };
 
-typedef struct {
+typedef struct sw_linear {
   int32_t fmt, n, k, nblocks;
-  int32_t half_scales; /* d and m are fp16 (GGUF's own scales; fewer bytes per step) instead of fp32 */
-  int32_t act;         /* 1: int8 activations (Q8, Q4 only), 0: fp32 activations */
+  int32_t scales; /* SW_SCALES_*: how d and m are stored (SCALES above) */
+  int32_t act;    /* 1: int8 activations (Q8, Q4, Q5, Q6), 0: fp32 activations */
   const void* w;
   const void* d;
   const void* m;
   const float* bias;
+  const void* h;  /* Q5, Q6: the high bit planes */
+  const void* ds; /* SW_SCALES_K, SW_SCALES_K6: the superblock factors of d and m */
+  const void* ms;
+  const struct sw_linear* next; /* the fused layer's next part, or NULL */
 } sw_linear;
 
 /* Rows quantised for the int8 path: q [M][K], and per row and 32-block the scale dx and sx = dx · Σq. */
@@ -74,7 +103,8 @@ typedef struct {
   const int8_t* q;
   const float* d;
   const float* s;
-  const int32_t* sum; /* Σq per row and block, as an integer (the VNNI variant's offset correction) */
+  const int32_t* sum;  /* Σq per row and block, as an integer (the VNNI variant's offset correction) */
+  const int32_t* half; /* Σq of each block's first 16 inputs (Q6's offset: Σ(q − 32)·x per half) */
   int K;
 } sw_qrows;
 
@@ -147,7 +177,8 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
                         float* scratch, int nthreads);
 /* y (M×n) = x (M×k)·Wᵀ (+ bias), or y += that when accumulate. */
 int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads);
-void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum);
+void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum,
+                      int32_t* half);
 uint64_t sw_stream(const void* buf, size_t bytes, int nthreads);
 void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo);
 void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo);
@@ -171,12 +202,34 @@ const char* sw_variant_detail(void);
  * of one column block), x rows at x + r·ldx. acc is read and written back: a caller may cut K into tiles. */
 void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, float* acc);
 
-/* int8 activations: out[r][0..31] = the contract's acc for rows 0..M-1 of X and column block blk (Q8 or Q4). */
+/* int8 activations: out[r][0..31] = the contract's acc for rows 0..M-1 of X and column block blk (Q8, Q4, Q5, Q6). */
 void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out);
 
 /* --- what decoder.c provides to the variants and to its callers ---------------------------------------------- */
 
 float sw_f16_to_f32(uint16_t h);
+
+/* Index of column c's scale of 32-block b in column block blk (d, m), of its superblock factor (ds, ms), and of
+ * its 16-half h sub-scale (Q6's d). */
+static inline size_t sw_at32(const sw_linear* L, int blk, int b, int c) { return ((size_t)blk * (L->k / 32) + b) * 32 + c; }
+static inline size_t sw_at256(const sw_linear* L, int blk, int b, int c) {
+  return ((size_t)blk * (L->k / 256) + b / 8) * 32 + c;
+}
+static inline size_t sw_at16(const sw_linear* L, int blk, int b, int h, int c) {
+  return ((size_t)blk * (L->k / 16) + 2 * b + h) * 32 + c;
+}
+/* Column c's scale (which = 0: d, 1: m) of 32-block b as fp32, in any encoding (Q6: ds, its sub-scales apart). */
+static inline float sw_scale(const sw_linear* L, int which, int blk, int b, int c) {
+  const void* base = which ? L->m : L->d;
+  switch (L->scales) {
+    case SW_SCALES_F16: return sw_f16_to_f32(((const uint16_t*)base)[sw_at32(L, blk, b, c)]);
+    case SW_SCALES_K:
+      return sw_f16_to_f32(((const uint16_t*)(which ? L->ms : L->ds))[sw_at256(L, blk, b, c)]) *
+             (float)((const uint8_t*)base)[sw_at32(L, blk, b, c)];
+    case SW_SCALES_K6: return sw_f16_to_f32(((const uint16_t*)L->ds)[sw_at256(L, blk, b, c)]);
+    default: return ((const float*)base)[sw_at32(L, blk, b, c)];
+  }
+}
 
 static inline float sw_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 
