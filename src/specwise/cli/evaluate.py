@@ -6,6 +6,7 @@ import argparse
 import os
 
 from specwise.cli.common import k_list_arg, precision_flags
+from specwise.models import MODEL_HELP
 from specwise.specs import VERIFY_HELP, VERIFY_METHODS
 
 
@@ -19,8 +20,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
-        "with --endpoint, the served model's name",
+        help=MODEL_HELP + "; with --endpoint, the served model's name",
     )
     p.add_argument("--config", help="YAML file with `configs: [{name, drafter, k}, …]` (the first is the baseline)")
     p.add_argument(

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from specwise.models import MODEL_HELP
+
 
 def add(sub: argparse._SubParsersAction) -> None:
     """This subcommand and its flags."""
@@ -14,7 +16,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "export-hf", help="write a GGUF as a Hugging Face directory (bf16 or fp32) that vLLM and SGLang load"
     )
     p.add_argument("out", help="a new (or empty) directory to write")
-    p.add_argument("--model", help="the .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument(
         "--dtype", default="bfloat16", help="precision of the written weights: bfloat16 (default) or float32"
     )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from specwise.cli.common import drafter_arg, k_arg, precision_flags
 from specwise.errors import SpecwiseError
+from specwise.models import MODEL_HELP
 from specwise.specs import DRAFTER_HELP, K_MAX, VERIFY_HELP, VERIFY_METHODS
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     """This subcommand and its flags."""
     p = sub.add_parser("generate", help="generate text, speculatively or not, and show what speculation did")
     p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
-    p.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--drafter", type=drafter_arg, help=f"{DRAFTER_HELP}, or none (the default: the baseline)")
     p.add_argument("--k", type=k_arg, default=4, help=f"draft length 1..{K_MAX}, or 'auto' (adaptive); default 4")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from specwise.cli.common import drafter_arg, k_arg, precision_flags
+from specwise.models import MODEL_HELP
 from specwise.specs import (
     DEFAULT_MAX_LEN,
     DEFAULT_MAX_QUEUE,
@@ -20,7 +21,7 @@ from specwise.specs import (
 def add(sub: argparse._SubParsersAction) -> None:
     """This subcommand and its flags."""
     p = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
-    p.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
     p.add_argument(
         "--drafter", type=drafter_arg, help=f"default drafter: {DRAFTER_HELP}, or none (the default: plain decoding)"

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.models import MODEL_HELP
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 EXAMPLES = "examples.safetensors"
@@ -36,7 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--from", dest="source", required=True, metavar="FILE", help="JSONL, workload file or request log")
     p.add_argument("--out", required=True, metavar="DIR", help="where the head is written (a checkpoint resumes)")
-    p.add_argument("--model", help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens the target answers each prompt with")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts from (the most frequent)")
     p.add_argument("--limit", type=int, help="use at most this many prompts (the first ones)")

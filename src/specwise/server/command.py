@@ -52,6 +52,23 @@ def api_keys(given: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def memory_line(engine) -> str:
+    """The resident budget's parts on one line (weights, KV cache of every slot, scratch), for the CPU kernels."""
+    from specwise.engine.native import NativeDecoder
+
+    model = engine.target.model
+    if not isinstance(model, NativeDecoder):
+        return ""
+    b = model.memory_budget(max_len=engine.max_len)
+    mb = 1e6
+    kv = b["kv_bytes"] * engine.max_batch
+    return (
+        f"weights {b['weights_bytes'] / mb:,.0f} MB, KV cache {kv / mb:,.0f} MB ({engine.max_batch} × "
+        f"{engine.max_len} positions), scratch {b['scratch_bytes'] / mb:,.0f} MB; drafters' extra "
+        f"{sum(d.extra_memory_bytes() for d in engine.drafters.values()) / mb:,.0f} MB"
+    )
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
     if not 0 <= args.port <= 65535:
@@ -134,6 +151,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGHUP, reread)
     app = create_app(state, max_body=args.max_body)
     scheduler.start()
+    budget = memory_line(engine)
+    if budget:
+        print(f"specwise serve: memory: {budget}", file=sys.stderr, flush=True)
     print(
         f"specwise serve: {name} on http://{args.host}:{args.port} — drafters: "
         f"{', '.join(engine.drafters) or 'none'}; policy: {policy.describe()}" + (f" [{why}]" if why else ""),
