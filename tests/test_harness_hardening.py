@@ -251,3 +251,56 @@ def test_resume_retry_errors_runs_the_failed_requests_again_and_csv_cells_are_no
     for c, ld, t, r, started in rows:
         retried = (c, ld, t, r, started) in failed
         assert (after[c, ld, t, r] != started) == retried  # the failed ones measured again, the rest untouched
+
+
+# --- issue 31 items 2 and 12: validators never fetch and never stall -------------------------------------------------
+
+
+def test_a_schema_that_refers_outside_itself_is_refused_at_load_and_never_fetched(tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"const": "the-secret-contents"}')
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "tasks:\n  - {id: t, prompt: hi, max_tokens: 8,\n"
+        f"     validators: [{{type: json_schema, schema: {{properties: {{a: {{$ref: 'file://{secret}'}}}}}}}}]}}\n"
+    )
+    with pytest.raises(SpecwiseError, match="refers outside its schema") as err:
+        load_workload(path)
+    assert "the-secret-contents" not in str(err.value)
+    # Run directly (no load-time check): the reference does not resolve and nothing was read into the reason.
+    (outcome,) = run_validators('{"a": 1}', [{"type": "json_schema", "schema": {"$ref": secret.as_uri()}}])
+    assert outcome.passed is False and "does not resolve inside the schema" in outcome.reason
+    assert "the-secret-contents" not in outcome.reason
+
+
+def test_a_schema_reference_inside_the_schema_still_works():
+    schema = {"$defs": {"n": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/n"}}}
+    spec = [{"type": "json_schema", "schema": schema}]
+    (ok,), (bad,) = run_validators('{"a": 1}', spec), run_validators('{"a": "x"}', spec)
+    assert ok.passed and not bad.passed and "not of type 'integer'" in bad.reason
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"type": "regex", "pattern": r"(x+x+)+y"},
+        {"type": "json_schema", "schema": {"type": "string", "pattern": r"(x+x+)+y"}},
+        {"type": "json_schema", "schema": {"patternProperties": {r"(x+x+)+y": {}}}},
+        {"type": "json_schema", "schema": {"patternProperties": {r"(x+x+)+y": {}}, "additionalProperties": False}},
+    ],
+)
+def test_a_catastrophic_pattern_fails_the_output_within_the_time_limit(spec):
+    text = "x" * 2000  # backtracks exponentially: without the limit this never returns
+    output = json.dumps(text) if "schema" in spec and spec["schema"].get("type") == "string" else text
+    if "patternProperties" in spec.get("schema", {}):
+        output = json.dumps({text: 1})
+    outcomes = run_validators(output, [spec, {"type": "length", "max": 10**6}], limit_s=0.3)
+    assert outcomes[0].passed is False and "0.3 s validation limit" in outcomes[0].reason
+    assert outcomes[1].passed is False and "validation limit" in outcomes[1].reason  # the budget is per output
+
+
+def test_the_list_item_count_is_linear_on_an_output_that_loops_on_blank_lines():
+    """`^\\s*` spanned newlines: 32,000 blank lines took ~20 s. Within the limit, every item still counted."""
+    spec = {"type": "nothing_invented", "source": "a b c", "max_items": 2}
+    (outcome,) = run_validators("\n" * 32_000 + "- a\n  - b\n\t3. c\n", [spec], limit_s=1.0)
+    assert outcome.passed is False and "3 list items for 2 notes" in outcome.reason

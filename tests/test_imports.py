@@ -18,6 +18,8 @@ TORCH_FREE_MODULES = [
     "specwise.specs",
     "specwise.speccounts",
     "specwise.policy",
+    "specwise.identity",
+    "specwise.models",
     "specwise.cli",
     "specwise.server",
     "specwise.server.protocol",
@@ -134,6 +136,7 @@ SHARED = {
     "specwise.paths",
     "specwise.policy",
     "specwise.identity",
+    "specwise.models",
 }
 # What each layer may import besides itself and the shared modules (docs/ARCHITECTURE.md): a layer, or one module.
 ALLOWED = {

@@ -6,6 +6,7 @@ arithmetic, so a difference in the last bit is a failure, not noise. The NEON va
 test_kernel_selftest.py.
 """
 
+import ctypes
 import subprocess
 import sys
 
@@ -353,6 +354,31 @@ def test_kernels_refuse_out_of_range_inputs_instead_of_crashing(tiny):
         logits(model, cache, [1], [0], [2])
     with pytest.raises(SpecwiseError, match="vocabulary"):
         logits(model, cache, [10_000], [0], [0])
+
+
+def test_an_empty_pass_or_more_output_rows_than_tokens_is_refused_not_a_crash(tiny):
+    """Issue 31 items 4 and 5: an empty pass divided by zero (SIGFPE); n_out > M wrote past the head's scratch."""
+    model = tiny.model
+    cache = model.new_cache(2, 32)
+    empty = torch.empty(0, dtype=torch.int64)
+    with pytest.raises(SpecwiseError, match="one token or more"):
+        model.forward_tokens(cache, empty, empty, empty)
+    one = torch.tensor([1])
+    with pytest.raises(SpecwiseError, match="output rows"):
+        model.forward_tokens(cache, one, torch.tensor([0]), one * 0, out_rows=torch.zeros(9, dtype=torch.int32))
+    # The C side refuses the same without the Python checks (every entry point checks again).
+    sw = K.SwCache(cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16), 2, 32, cache.capacity)
+    tokens, pos, slot = torch.tensor([1, 2]), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int32)
+    rows = torch.zeros(64, dtype=torch.int32)
+    out = torch.empty(64, model.cfg.vocab_size)
+    scratch = torch.empty(model.lib.sw_scratch_floats(ctypes.byref(model._model), 2, cache.capacity, 1))
+    for M, n_out in ((0, 0), (2, 3), (2, 64), (2, -1)):
+        rc = model.lib.sw_forward(
+            ctypes.byref(model._model), ctypes.byref(sw), M, tokens.data_ptr(), pos.data_ptr(), slot.data_ptr(),
+            n_out, rows.data_ptr(), out.data_ptr(), scratch.data_ptr(), 1,
+        )  # fmt: skip
+        assert rc == -8, (M, n_out, rc)
+        assert "no tokens, or more output rows" in K.REFUSALS[rc]
 
 
 def test_reduced_row_counts_still_need_k_multiple_of_32():

@@ -83,9 +83,10 @@ class Live:
         api_key: str | list[str] | None = None,
         max_body: int = 1 << 20,
         suffix_history: str = "per-key",
+        admin_key: str | None = None,
     ):
         history = {} if suffix_history == "per-key" else {"suffix_history": suffix_history}  # the default stated once
-        self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key, **history)
+        self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key, admin_key, **history)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(

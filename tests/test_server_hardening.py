@@ -5,6 +5,7 @@ suffix history is per API key; the request log is owner-only, written off the lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -123,7 +124,7 @@ class DiesMidway(SlowEngine):
 def test_when_the_engine_thread_dies_streams_end_with_an_error_and_health_says_503(target):
     engine = DiesMidway(target, max_batch=2)
     engine.delay = 0.01
-    with serving(engine) as live:
+    with serving(engine, admin_key="admin-key") as live:
         assert httpx.get(live.url + "/health").json() == {"status": "ok"}
         engine.armed = True
         lines = []
@@ -136,8 +137,12 @@ def test_when_the_engine_thread_dies_streams_end_with_an_error_and_health_says_5
             lines = [line for line in r.iter_lines() if line.startswith("data:")]
         last = json.loads(lines[-1][5:])
         assert "error" in last and last["error"]["type"] == "server_error", lines[-3:]
-        health = httpx.get(live.url + "/health", timeout=5)
-        assert health.status_code == 503 and "Fatal" in health.json()["reason"]
+        health = httpx.get(live.url + "/health", timeout=5)  # issue 31 item 3: no exception text without the key
+        assert health.status_code == 503 and health.json() == {"status": "down", "reason": "engine_down"}
+        for wrong in ({}, {"Authorization": "Bearer nope"}):
+            assert httpx.get(live.url + "/health", headers=wrong, timeout=5).json() == health.json()
+        admin = httpx.get(live.url + "/health", headers={"Authorization": "Bearer admin-key"}, timeout=5)
+        assert admin.status_code == 503 and "Fatal: the loop itself broke" in admin.json()["detail"]
         late = _post(live.url, {"model": "tiny", "prompt": "abc", "max_tokens": 4}, timeout=10)
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_down", late.text
 
@@ -305,3 +310,81 @@ def test_the_drift_window_keeps_counts_not_text(tmp_path):
     log = RequestLog(tmp_path / "log.db", mode="r")
     assert log.count() == 30 and len(log.entries()[0].prompt) == 100_000  # the file keeps what was asked for
     log.close()
+
+
+# --- issue 31 item 3: the suffix gauges read a snapshot ---------------------------------------------------------------
+
+
+def test_the_suffix_history_gauges_survive_tenants_added_while_they_read():
+    """/metrics sums every tenant's history while the engine thread adds tenants: it must read a snapshot (before,
+    'dictionary changed size during iteration' answered /metrics with a 500 now and then)."""
+    from specwise.engine.drafters.suffix import SuffixDrafter
+
+    drafter, stop, errors = SuffixDrafter(), threading.Event(), []
+
+    def add_tenants():
+        for i in range(3000):
+            if stop.is_set():
+                return
+            drafter.shared(f"key-{i}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    adder = threading.Thread(target=add_tenants)
+    adder.start()
+    try:
+        while adder.is_alive():
+            try:
+                drafter.history_tokens(), drafter.history_bytes()
+            except RuntimeError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        adder.join()
+        sys.setswitchinterval(old)
+    assert not errors and len(drafter.histories) > 100, errors[:1]
+
+
+# --- issue 31 item 18: logs with bounds ------------------------------------------------------------------------------
+
+
+def test_an_existing_log_is_made_owner_only_and_its_records_stay_within_the_size_given(tmp_path):
+    path = tmp_path / "old.db"
+    RequestLog(path).close()
+    os.chmod(path, 0o644)  # a log written before its mode was set at creation
+    log = RequestLog(path, max_bytes=256 * 1024)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for i in range(3000):
+        log.add(dataclasses.replace(_entry(i, "x" * 500), time=float(i)))
+    assert log.records_bytes() <= 256 * 1024 + 16 * 2048  # checked every 16 records: at most those over
+    kept, dropped = log.count(), log.dropped()
+    assert dropped > 0 and kept + dropped == 3000 and kept > 100
+    assert [e.time for e in log.entries()] == [float(i) for i in range(3000 - kept, 3000)]  # the oldest dropped
+    log.close()
+    assert RequestLog(path, mode="r").dropped() == dropped  # the count is in the file
+
+
+def test_policy_changes_kept_are_bounded(tmp_path, monkeypatch):
+    from specwise.monitor import requestlog
+
+    monkeypatch.setattr(requestlog, "MAX_POLICY_CHANGES", 5)
+    log = RequestLog(tmp_path / "p.db")
+    for i in range(12):
+        log.add_policy_change({"time": float(i), "old": "a", "new": "b", "by": "admin"})
+    assert [c["time"] for c in log.policy_changes()] == [7.0, 8.0, 9.0, 10.0, 11.0]
+    log.close()
+
+
+def test_run_db_is_owner_only(tmp_path):
+    from specwise.harness.store import Store
+
+    store = Store(tmp_path / "run.db")
+    store.close()
+    assert stat.S_IMODE((tmp_path / "run.db").stat().st_mode) == 0o600
+
+
+def test_serve_refuses_a_log_size_of_zero(tmp_path, capsys):
+    from specwise.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "none"), "--log", str(tmp_path / "l.db"), "--log-max-mb", "0"]) == 2
+    assert "--log-max-mb 0.0 is not allowed" in capsys.readouterr().err

@@ -244,3 +244,22 @@ def test_collected_answers_round_trip_and_a_tampered_file_is_refused(tiny4_dir, 
     D.save_examples(path, "k1", [D.Example(ex.tokens, ex.prompt_len, ex.features[:-1], ex.top_ids, ex.top_logprobs)])
     with pytest.raises(SpecwiseError, match="positions"):
         D.load_examples(path, "k1")
+
+
+def test_a_logged_prompt_of_brackets_is_a_prompt_and_a_completion_never_turns_into_chat(tmp_path):
+    """Issue 31 item 16: 2,000 '[' raised RecursionError past the JSON handler; a completion prompt that parses as
+    a message list was re-read as chat. The log now says which a prompt was; older logs keep the guess, safely."""
+    from specwise.cli.train_draft import read_prompts
+
+    chat = [{"role": "user", "content": "chat"}]
+    as_text = json.dumps(chat)  # a completion prompt that happens to be a message list's JSON
+    log = RequestLog(tmp_path / "log.db")
+    for prompt, is_chat in (("[" * 2000, False), (as_text, False), (json.dumps(chat), True)):
+        log.add(LogEntry(1.0, 3, 4, 0.1, 0.2, 1, False, None, prompt=prompt, chat=is_chat))
+    log.close()
+    assert read_prompts(tmp_path / "log.db") == ["[" * 2000, as_text, chat]
+    con = sqlite3.connect(tmp_path / "log.db")  # a log from before the kind was recorded
+    con.execute("UPDATE log SET chat = NULL")
+    con.commit()
+    con.close()
+    assert read_prompts(tmp_path / "log.db") == ["[" * 2000, chat, chat]

@@ -90,6 +90,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log", help="append one record per finished request to this SQLite request log")
     p.add_argument("--log-text", action="store_true", help="also log prompt and output text (off by default)")
     p.add_argument(
+        "--log-max-mb",
+        type=float,
+        default=1024.0,
+        help="keep the request log's records within this many MB: the oldest are dropped, and counted (default 1024)",
+    )
+    p.add_argument(
         "--drift-baseline",
         help="an evaluation run (run.db): export specwise_acceptance_rate and specwise_drift_alert gauges on /metrics",
     )

@@ -118,30 +118,46 @@ def _from_log(path: Path) -> list[str | list[dict]]:
 
     try:
         con = sqlite3.connect(sqlite_readonly_uri(path), uri=True)
-        rows = con.execute("SELECT prompt FROM log ORDER BY time").fetchall()
+        columns = {r[1] for r in con.execute("PRAGMA table_info(log)")}
+        kind = "chat" if "chat" in columns else "NULL"  # logs from before the prompt's kind was recorded: NULL
+        rows = con.execute(f"SELECT prompt, {kind} FROM log ORDER BY time").fetchall()
         con.close()
     except sqlite3.Error as exc:
         raise SpecwiseError(f"--from {path}: not a specwise request log ({exc})") from None
-    texts = [r[0] for r in rows if r[0]]
+    texts = [(text, chat) for text, chat in rows if text]
     if rows and not texts:
         raise SpecwiseError(
             f"--from {path}: the log holds {len(rows)} requests but no prompt text: serve with --log-text to log it"
         )
     out: list[str | list[dict]] = []
-    for text in texts:
-        if text.startswith("["):  # chat messages: JSON (older logs: Python's repr)
-            try:
-                messages = json.loads(text)
-            except json.JSONDecodeError:
-                try:
-                    messages = ast.literal_eval(text)
-                except (ValueError, SyntaxError):
-                    out.append(text)
-                    continue
-            out.append(_check_messages(messages, f"--from {path}"))
-        else:
+    for text, chat in texts:
+        if chat == 0 or (chat is None and not text.startswith("[")):  # a completion prompt, whatever it looks like
             out.append(text)
+            continue
+        messages = _parse_messages(text)
+        if chat is None:  # an older log: messages if they read as messages, else a prompt that starts with '['
+            try:
+                out.append(_check_messages(messages, f"--from {path}"))
+            except SpecwiseError:
+                out.append(text)
+        elif messages is None:
+            raise SpecwiseError(f"--from {path}: a chat request's messages are not readable JSON")
+        else:
+            out.append(_check_messages(messages, f"--from {path}"))
     return out
+
+
+def _parse_messages(text: str) -> object | None:
+    """Chat messages as the log keeps them (JSON; older logs: Python's repr), or None where the text is neither
+    (nested too deeply included: 2,000 '[' is a prompt, not a crash)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -50,9 +50,15 @@ class HFAdapter(nn.Module):
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+            # safetensors only: a .bin checkpoint is a pickle, and loading one runs whatever code it carries
+            model = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=dtype, use_safetensors=True, local_files_only=True
+            )
         except (OSError, ValueError, KeyError) as exc:
-            raise SpecwiseError(f"{directory}: transformers could not load this model ({exc})") from exc
+            raise SpecwiseError(
+                f"{directory}: transformers could not load this model from safetensors weights ({exc}); a "
+                "pytorch_model.bin (a pickle) is never loaded: convert it to model.safetensors first"
+            ) from exc
         return cls(model.to(device).eval())  # type: ignore[arg-type]  # transformers' stubs type .to() oddly
 
     @property

@@ -34,7 +34,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 7
+ABI = 8
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -105,6 +105,8 @@ REFUSALS = {
     -5: "a cache of another layout (capacity in whole 16-position blocks; a draft head's in float32)",
     -6: "weights whose shapes do not match the model's sizes",
     -7: "a feature layer outside the model's layers",
+    -8: "a pass of no tokens, or more output rows than tokens",
+    -9: "memory for the attention's work lists could not be allocated",
 }
 
 
@@ -185,17 +187,6 @@ class SwHead(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("cos_t", _P),
         ("sin_t", _P),
-    ]
-
-
-class SwKV(ctypes.Structure):
-    _fields_ = [
-        ("k", _P),
-        ("v", _P),
-        ("bf16", ctypes.c_int32),
-        ("capacity", ctypes.c_int32),
-        ("slot_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64),
     ]
 
 
@@ -356,10 +347,6 @@ def library(variant: str | None = None) -> ctypes.CDLL:
         lib.sw_variant_detail.restype = ctypes.c_char_p
         lib.sw_gemm.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _I, _P, _I, _I, _I]
         lib.sw_quantize_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P]
-        lib.sw_embed.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _P, _I]
-        lib.sw_rmsnorm.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I]
-        lib.sw_silu_mul.argtypes = [_P, _I, _I, _P]
-        lib.sw_attention.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P, ctypes.POINTER(SwKV), _P, _I, _P, _I]
         lib.sw_scratch_floats.argtypes = [ctypes.POINTER(SwModel), _I, _I, _I]
         lib.sw_scratch_floats.restype = ctypes.c_long
         lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P, _I]

@@ -562,11 +562,17 @@ class NativeDecoder:
         layers: tuple[int, ...],
         feature_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        M = int(tokens.shape[0])
+        M = int(tokens.shape[0]) if tokens.dim() == 1 else 0
         if tokens.dim() != 1 or positions.shape != (M,) or slots.shape != (M,):
             raise SpecwiseError(
                 f"forward pass refused: {M} tokens need as many positions and slots (got "
                 f"{tuple(positions.shape)} and {tuple(slots.shape)})"
+            )
+        if M < 1:
+            raise SpecwiseError("forward pass refused: a pass takes one token or more (got none)")
+        if out_rows is not None and (out_rows.dim() != 1 or not 0 < out_rows.shape[0] <= M):
+            raise SpecwiseError(
+                f"forward pass refused: 1..{M} output rows (one list) for {M} tokens, got shape {tuple(out_rows.shape)}"
             )
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()

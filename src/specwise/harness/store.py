@@ -8,6 +8,7 @@ resumed run skips exactly what is already there.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,6 +78,12 @@ class Store:
         try:
             if create:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                # Owner-only (a run holds prompts, outputs and the servers' answers); SQLite's WAL takes this mode.
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    os.fchmod(fd, 0o600)
+                finally:
+                    os.close(fd)
                 self.db = sqlite3.connect(str(self.path))
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.executescript(SCHEMA)

@@ -4,22 +4,66 @@ Each validator is a plain function of (output text, parameters) → (passed, rea
 workload is loaded (`check_validator`), so a typo fails before any measuring starts. The release-note validators
 encode the task's contract: the required headings are there, every item of the notes is kept, and nothing appears
 that the notes do not contain (a version number, an identifier, an extra item).
+
+Every validator of one output shares one time limit (`LIMIT_S`): patterns run under the `regex` package's timeout
+(a workload's own `regex`, a schema's `pattern` and `patternProperties`), so a pathological output or pattern fails
+that output with a reason instead of stalling the run. A schema's `$ref`s resolve inside the schema only: nothing is
+fetched, and a reference that points outside is refused when the workload loads.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
-import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 
 import jsonschema
+import referencing
+import referencing.exceptions
+import regex
 
 from specwise.errors import SpecwiseError
 
-VERSION_RE = re.compile(r"\bv?\d+(?:\.\d+)+(?:-[0-9A-Za-z.]+)?\b")
-IDENT_RE = re.compile(r"`([^`\n]+)`|\b([A-Za-z][A-Za-z0-9]*_[A-Za-z0-9_]+|[a-z]+[A-Z][A-Za-z0-9]+)\b")
-BULLET_RE = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s+\S", re.MULTILINE)
+LIMIT_S = 2.0  # all validators of one output together, seconds
+VERSION_RE = regex.compile(r"\bv?\d+(?:\.\d+)+(?:-[0-9A-Za-z.]+)?\b")
+IDENT_RE = regex.compile(r"`([^`\n]+)`|\b([A-Za-z][A-Za-z0-9]*_[A-Za-z0-9_]+|[a-z]+[A-Z][A-Za-z0-9]+)\b")
+# A list item: the indent is spaces and tabs only (`^\s*` would span blank lines, quadratic on an output that loops)
+BULLET_RE = regex.compile(r"^[ \t]*(?:[-*•]|\d+[.)])[ \t]+\S", regex.MULTILINE)
+_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("validate_deadline", default=float("inf"))
+
+
+class OutOfTime(Exception):
+    """The output's validators used up `LIMIT_S`."""
+
+
+def _left() -> float:
+    left = _deadline.get() - time.monotonic()
+    if left <= 0:
+        raise OutOfTime
+    return left
+
+
+@lru_cache(maxsize=256)
+def _compiled(pattern: str, flags: int = 0) -> regex.Pattern:
+    return regex.compile(pattern, flags)
+
+
+def _search(pattern: str | regex.Pattern, text: str, flags: int = 0) -> bool:
+    pat = _compiled(pattern, flags) if isinstance(pattern, str) else pattern
+    try:
+        return pat.search(text, timeout=_left()) is not None
+    except TimeoutError:
+        raise OutOfTime from None
+
+
+def _finditer(pat: regex.Pattern, text: str) -> Iterator[regex.Match]:
+    try:
+        yield from pat.finditer(text, timeout=_left())
+    except TimeoutError:
+        raise OutOfTime from None
 
 
 @dataclass(frozen=True)
@@ -45,19 +89,19 @@ def _items_kept(text: str, p: dict) -> tuple[bool, str]:
 
 def _nothing_invented(text: str, p: dict) -> tuple[bool, str]:
     source = p["source"].lower()
-    invented = sorted({m.group(0) for m in VERSION_RE.finditer(text) if m.group(0).lower().lstrip("v") not in source})
-    for m in IDENT_RE.finditer(text):
+    invented = sorted({m.group(0) for m in _finditer(VERSION_RE, text) if m.group(0).lower().lstrip("v") not in source})
+    for m in _finditer(IDENT_RE, text):
         ident = m.group(1) or m.group(2)
         if ident.lower() not in source:
             invented.append(ident)
-    bullets = len(BULLET_RE.findall(text))
+    bullets = sum(1 for _ in _finditer(BULLET_RE, text))
     if "max_items" in p and bullets > p["max_items"]:
         invented.append(f"{bullets} list items for {p['max_items']} notes")
     return not invented, f"not in the notes: {invented}" if invented else ""
 
 
 def _regex(text: str, p: dict) -> tuple[bool, str]:
-    found = re.search(p["pattern"], text, re.MULTILINE) is not None
+    found = _search(p["pattern"], text, regex.MULTILINE)
     want = p.get("must_match", True)
     return found == want, "" if found == want else f"pattern {p['pattern']!r} {'not ' if want else ''}found"
 
@@ -77,12 +121,66 @@ def _json_schema(text: str, p: dict) -> tuple[bool, str]:
     except RecursionError:
         return False, "not JSON this validator can read: nested too deeply"
     try:
-        jsonschema.validate(doc, p["schema"])
-    except jsonschema.ValidationError as exc:
-        return False, f"JSON does not match the schema: {exc.message}"
+        error = jsonschema.exceptions.best_match(_schema_validator(p["schema"]).iter_errors(doc))
     except RecursionError:
         return False, "JSON nested too deeply to check against the schema"
+    except referencing.exceptions.Unresolvable as exc:
+        return False, f"the schema's reference {getattr(exc, 'ref', '')!r} does not resolve inside the schema"
+    if error is not None:
+        return False, f"JSON does not match the schema: {error.message}"
     return True, ""
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if validator.is_type(instance, "object"):
+        for pattern, sub in patterns.items():
+            for key, value in instance.items():
+                if _search(pattern, key):
+                    yield from validator.descend(value, sub, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator, extra, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    known, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = [k for k in instance if k not in known and not any(_search(p, k) for p in patterns)]
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif extra is False and extras:
+        yield jsonschema.ValidationError(f"additional properties are not allowed ({sorted(extras)} unexpected)")
+
+
+_TIMED = {"pattern": _pattern, "patternProperties": _pattern_properties, "additionalProperties": _additional_properties}
+_NO_RETRIEVAL: referencing.Registry = referencing.Registry()  # no `retrieve`: an outside reference is Unresolvable
+
+
+def _schema_validator(schema: dict) -> jsonschema.protocols.Validator:
+    """The schema's validator with its patterns under the time limit and a registry that never fetches."""
+    cls = jsonschema.validators.extend(jsonschema.validators.validator_for(schema), _TIMED)
+    return cls(schema, registry=_NO_RETRIEVAL)
+
+
+def _outside_refs(node: object) -> list[str]:
+    """Every `$ref`/`$dynamicRef` of a schema that does not point inside the schema itself (a `#` fragment)."""
+    found: list[str] = []
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            for key, value in cur.items():
+                inside = isinstance(value, str) and value.startswith("#")
+                if key in ("$ref", "$dynamicRef", "$recursiveRef") and not inside:
+                    found.append(str(value))
+                stack.append(value)
+        elif isinstance(cur, list):
+            stack.extend(cur)
+    return found
 
 
 # name → (function, required parameters with their types, optional parameters with their types)
@@ -117,26 +215,43 @@ def check_validator(spec: object, where: str) -> dict:
         )
     if kind == "regex":
         try:
-            re.compile(spec["pattern"])
-        except re.error as exc:
+            regex.compile(spec["pattern"])
+        except regex.error as exc:
             raise SpecwiseError(f"{where}: regex {spec['pattern']!r} does not compile ({exc})") from None
     if kind == "json_schema":
         try:
             jsonschema.validators.validator_for(spec["schema"]).check_schema(spec["schema"])
         except jsonschema.SchemaError as exc:
             raise SpecwiseError(f"{where}: validator 'json_schema' has an invalid schema: {exc.message}") from None
+        except RecursionError:
+            raise SpecwiseError(f"{where}: validator 'json_schema' has a schema nested too deeply") from None
+        outside = _outside_refs(spec["schema"])
+        if outside:
+            raise SpecwiseError(
+                f"{where}: validator 'json_schema' refers outside its schema ({outside[:3]}); nothing is fetched: "
+                "a reference must be a fragment of the schema itself ('#/$defs/NAME')"
+            )
     if kind == "length" and spec.get("unit", "words") not in ("words", "chars"):
         raise SpecwiseError(f"{where}: validator 'length' unit must be 'words' or 'chars'")
     return spec
 
 
-def run_validators(text: str, specs: list[dict]) -> list[Outcome]:
-    """Judge one output with every validator of its task. A validator that fails on an output (whatever the output
-    is) judges it failed, with the reason: a model's output never aborts a run."""
+def run_validators(text: str, specs: list[dict], limit_s: float = LIMIT_S) -> list[Outcome]:
+    """Judge one output with every validator of its task, all of them within `limit_s`. A validator that fails on an
+    output (whatever the output is) or runs out of time judges it failed, with the reason: a model's output never
+    aborts or stalls a run."""
     out = []
-    for s in specs:
-        try:
-            out.append(Outcome(s["type"], *VALIDATORS[s["type"]][0](text, s)))
-        except Exception as exc:  # RecursionError, MemoryError of a pathological output, a validator's own bug
-            out.append(Outcome(s["type"], False, f"the validator could not judge this output ({type(exc).__name__})"))
+    token = _deadline.set(time.monotonic() + limit_s)
+    try:
+        for s in specs:
+            try:
+                _left()
+                out.append(Outcome(s["type"], *VALIDATORS[s["type"]][0](text, s)))
+            except OutOfTime:
+                out.append(Outcome(s["type"], False, f"not judged within the output's {limit_s:g} s validation limit"))
+            except Exception as exc:  # RecursionError, MemoryError of a pathological output, a validator's own bug
+                reason = f"the validator could not judge this output ({type(exc).__name__})"
+                out.append(Outcome(s["type"], False, reason))
+    finally:
+        _deadline.reset(token)
     return out

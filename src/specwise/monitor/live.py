@@ -57,13 +57,14 @@ class DriftWatch:
         max_recent: int = 20000,
         on_drift: str = "alert",
         revert: Callable[[str], None] | None = None,
+        log_max_bytes: int | None = None,
     ):
         if on_drift not in ON_DRIFT:
             raise SpecwiseError(f"--on-drift {on_drift!r} is not allowed: choose {' or '.join(ON_DRIFT)}")
         self.engine, self.log_text, self.baseline = engine, log_text, baseline
         self.on_drift, self.revert, self.reverted = on_drift, revert, False
         self.window, self.alpha = window_seconds, alpha
-        self.log = RequestLog(log_path) if log_path else None
+        self.log = RequestLog(log_path, max_bytes=log_max_bytes) if log_path else None
         self.recent: collections.deque[LogEntry] = collections.deque(maxlen=max_recent)
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -99,6 +100,7 @@ class DriftWatch:
             draft=self._draft(seq.drafter) if s.drafted else None,
             prompt=(prompt if isinstance(prompt, str) else json.dumps(prompt)) if self.log_text else None,
             output=result.text if self.log_text else None,
+            chat=not isinstance(prompt, str) if self.log_text else None,
         )
         self.observe(entry)
 

@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS log (
     time REAL NOT NULL, prompt_tokens INTEGER, output_tokens INTEGER, ttft REAL, e2e REAL, load INTEGER,
     speculative INTEGER, drafter TEXT, steps INTEGER, drafted INTEGER, accepted INTEGER,
     drafted_per_position TEXT, accepted_per_position TEXT, drafting_time REAL, verification_time REAL,
-    decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT
+    decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT, chat INTEGER
 );
 CREATE INDEX IF NOT EXISTS log_time ON log (time);
 CREATE TABLE IF NOT EXISTS policy_changes (time REAL NOT NULL, old TEXT, new TEXT, by TEXT, reason TEXT);
@@ -52,6 +52,7 @@ class LogEntry:
     draft: dict | None = None  # identity of the draft in force (None when the request did not speculate)
     prompt: str | None = None
     output: str | None = None
+    chat: bool | None = None  # the prompt is chat messages (JSON); None in logs from before this was recorded
 
 
 _JSON = ("drafted_per_position", "accepted_per_position", "target", "draft")
@@ -66,19 +67,30 @@ _COUNTS = (
 )  # the SpecCounts fields the log keeps (not rejections)
 
 
-class RequestLog:
-    """Append to (or read) a request log file; `mode='r'` refuses a file that is missing or not a request log."""
+MAX_POLICY_CHANGES = 10_000  # run-time policy changes a log keeps (the oldest dropped first)
 
-    def __init__(self, path: str | Path, mode: str = "a"):
+
+class RequestLog:
+    """Append to (or read) a request log file; `mode='r'` refuses a file that is missing or not a request log.
+    `max_bytes` bounds the records' size in the file: past it the oldest are dropped (to 90% of it), and counted."""
+
+    def __init__(self, path: str | Path, mode: str = "a", max_bytes: int | None = None):
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self._adds = 0
         if mode == "r" and not self.path.is_file():
             raise SpecwiseError(f"request log {str(self.path)!r} does not exist")
         self._lock = threading.Lock()
         try:
             if mode == "a":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                # Owner-only from its first byte (it may hold prompts and outputs); SQLite gives its WAL the same.
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+                # Owner-only from its first byte (it may hold prompts and outputs), and an older file made so on
+                # open; SQLite gives its WAL the same mode.
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    os.fchmod(fd, 0o600)
+                finally:
+                    os.close(fd)
             self.db = sqlite3.connect(
                 str(self.path) if mode == "a" else sqlite_readonly_uri(self.path),
                 uri=mode != "a",
@@ -92,6 +104,8 @@ class RequestLog:
                         f"{self.path} is an SQLite file but not a specwise request log: choose another path for --log"
                     )
                 self.db.executescript(SCHEMA)
+                if "chat" not in {r[1] for r in self.db.execute("PRAGMA table_info(log)")}:  # an older log
+                    self.db.execute("ALTER TABLE log ADD COLUMN chat INTEGER")
             elif "log" not in tables or "meta" not in tables:
                 raise SpecwiseError(f"{self.path} is not a specwise request log (written by `specwise serve --log`)")
         except sqlite3.Error as exc:
@@ -121,10 +135,36 @@ class RequestLog:
         for k in _JSON:
             row[k] = json.dumps(row[k])
         row["speculative"] = int(entry.speculative)
+        row["chat"] = None if entry.chat is None else int(entry.chat)
         with self._lock, self.db:
             self.db.execute(
                 f"INSERT INTO log ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
             )
+            self._adds += 1
+            if self.max_bytes is not None and self._adds % 16 == 1 and self.records_bytes() > self.max_bytes:
+                self._trim(int(self.max_bytes * 0.9))
+
+    def records_bytes(self) -> int:
+        """Bytes the file's live pages hold (free pages left by dropped records are reused, not counted)."""
+
+        def pragma(name: str) -> int:
+            return int(self.db.execute(f"PRAGMA {name}").fetchone()[0])
+
+        return (pragma("page_count") - pragma("freelist_count")) * pragma("page_size")
+
+    def dropped(self) -> int:
+        """Records dropped to keep the log within its size (0 when it never had to)."""
+        return int(self._meta("dropped") or 0)
+
+    def _trim(self, goal: int) -> None:
+        """Drop the oldest records, a tenth at a time, until the live pages fit in `goal` bytes."""
+        while self.records_bytes() > goal:
+            n = self.count()
+            drop = max(1, n // 10)
+            if n == 0:
+                return
+            self.db.execute("DELETE FROM log WHERE rowid IN (SELECT rowid FROM log ORDER BY time LIMIT ?)", (drop,))
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (json.dumps(self.dropped() + drop),))
 
     def add_policy_change(self, change: dict) -> None:
         """A run-time replacement of the load policy: time, old, new, by (admin / drift), reason."""
@@ -132,6 +172,11 @@ class RequestLog:
             self.db.execute(
                 "INSERT INTO policy_changes VALUES (?, ?, ?, ?, ?)",
                 (change["time"], change["old"], change["new"], change["by"], change.get("reason", "")),
+            )
+            self.db.execute(
+                "DELETE FROM policy_changes WHERE rowid NOT IN "
+                "(SELECT rowid FROM policy_changes ORDER BY time DESC LIMIT ?)",
+                (MAX_POLICY_CHANGES,),
             )
 
     def policy_changes(self) -> list[dict]:
@@ -153,6 +198,7 @@ class RequestLog:
             d["spec"] = SpecCounts.from_dict({k: d.pop(k) for k in _COUNTS})
             d["target"] = d["target"] or {}
             d["speculative"] = bool(d["speculative"])
+            d["chat"] = None if d.get("chat") is None else bool(d["chat"])
             out.append(LogEntry(**d))
         return out
 

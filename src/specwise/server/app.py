@@ -27,7 +27,7 @@ from specwise.monitor.live import ClientSide
 from specwise.server.admin import policy_from_body, policy_view
 from specwise.server.generate import generate
 from specwise.server.metrics import CONTENT_TYPE, Metrics
-from specwise.server.middleware import BodyLimit
+from specwise.server.middleware import BodyLimit, key_index
 from specwise.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -152,13 +152,19 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         )
 
     @app.get("/health")
-    async def health():
-        """Liveness: 200 while the engine thread is up, 503 (with the reason) once it has stopped."""
+    async def health(request: Request):
+        """Liveness: 200 while the engine thread is up, 503 once it has stopped: `engine_down`, and the failure's
+        text only for the admin key (an exception's text can carry paths and request content)."""
         sched = state.scheduler
         if sched.alive:
             return {"status": "ok"}
-        why = f"{type(sched.failure).__name__}: {sched.failure}" if sched.failure else "the engine is not running"
-        return JSONResponse({"status": "down", "reason": why}, status_code=503)
+        body = {"status": "down", "reason": "engine_down"}
+        auth = request.headers.get("authorization", "")
+        if state.admin_key and key_index(auth, (state.admin_key,)) is not None:
+            body["detail"] = (
+                f"{type(sched.failure).__name__}: {sched.failure}" if sched.failure else "the engine is not running"
+            )
+        return JSONResponse(body, status_code=503)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -95,6 +95,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.drift_baseline:  # checked before the model loads
         window = parse_window(args.drift_window) or float("inf")
         baseline = load_baseline(args.drift_baseline, args.drafter)
+    if not args.log_max_mb > 0:
+        raise SpecwiseError(f"--log-max-mb {args.log_max_mb} is not allowed: give a size above 0 (MB)")
     if args.log:
         RequestLog(args.log).close()  # a path that cannot hold a log fails now, not at the first request
     if policy.mode != "never" and not args.drafter and not drafters:
@@ -134,6 +136,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             window or float("inf"),
             on_drift=args.on_drift,
             revert=lambda reason: scheduler.set_policy(Policy("never"), "drift", reason),
+            log_max_bytes=int(args.log_max_mb * 2**20),
         )
         state.on_finish.append(watch.on_finish)
         state.metrics.add_gauges(watch.gauges)

@@ -680,7 +680,7 @@ void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d
 
 /* Rows `tokens` of a weight matrix whose rows are the vocabulary (an embedding table kept in head layout), read
  * in its own format (the fp32 path's weights: the same numbers a dequantised copy would hold). */
-void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo) {
+static void embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo) {
   if (linear_outputs(E) < 0 || E->next || ldo < E->k) return;
   const int K = E->k;
   float tile[32 * 32];
@@ -735,7 +735,7 @@ uint64_t sw_stream(const void* buf, size_t bytes, int nthreads) {
 
 /* ----------------------------------------------------------------------------------- norms, activation */
 
-void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo) {
+static void rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo) {
   for (int i = 0; i < M; i++) {
     const float* xr = x + (size_t)i * ldx;
     vf acc[VP] = {{0}};
@@ -751,7 +751,7 @@ void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps
 }
 
 /* act = silu(gate) · up, rows of gu = [gate | up] (2·I wide). */
-void sw_silu_mul(const float* gu, int M, int I, float* out) {
+static void silu_mul(const float* gu, int M, int I, float* out) {
   for (int i = 0; i < M; i++) {
     const float* g = gu + (size_t)i * 2 * I;
     const float* u = g + I;
@@ -772,7 +772,7 @@ typedef struct {
 static void silu_unit(void* ctx, int u, int thread) {
   (void)thread;
   const silu_job* j = ctx;
-  sw_silu_mul(j->gu + (size_t)u * 2 * j->I, 1, j->I, j->out + (size_t)u * j->I);
+  silu_mul(j->gu + (size_t)u * 2 * j->I, 1, j->I, j->out + (size_t)u * j->I);
 }
 
 /* ------------------------------------------------------------------------------------------- attention */
@@ -990,9 +990,9 @@ static void attention_unit(void* ctx, int u, int thread) {
  * (slot, position), then attend: token i sees positions 0..pos[i] of its slot. Causality comes from positions, so
  * a pass may hold any mix of prompt chunks, one-token steps and drafts. Units are (run of up to QC consecutive
  * tokens of one slot, key-value head); scratch holds nthreads·MAXQ·(capacity+16) floats. */
-void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
-                  const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
-                  int nthreads) {
+static int attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
+                     const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
+                     int nthreads) {
   const int half = D / 2;
   for (int i = 0; i < M; i++) {
     float* row = qkv + (size_t)i * ldq;
@@ -1013,10 +1013,10 @@ void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t*
   }
   int* run_start = malloc((size_t)(M + 1) * sizeof(int)); /* runs of up to QC consecutive tokens in one slot */
   attention_unit_t* units = malloc((size_t)(M + 1) * H * sizeof(attention_unit_t));
-  if (!run_start || !units) {
+  if (!run_start || !units) { /* the pass fails: its callers return -9, never logits from unattended rows */
     free(run_start);
     free(units);
-    return;
+    return -9;
   }
   int nruns = 0, nunits = 0;
   for (int i = 0; i < M; i++)
@@ -1034,6 +1034,7 @@ void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t*
   parallel(attention_unit, &job, nunits, nthreads);
   free(run_start);
   free(units);
+  return 0;
 }
 
 /* ------------------------------------------------------------------------------------------ the decoder */
@@ -1098,6 +1099,7 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   const int QKV = (H + 2 * Hkv) * D, A = H * D;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (M < 1 || n_out < 0 || n_out > M) return -8; /* the head's rows are carved for M: never more outputs */
   if (cache->capacity % 16 || cache->capacity < cache->max_len) return -5;
   if (!shapes_agree(m)) return -6;
   for (int i = 0; i < M; i++) {
@@ -1121,7 +1123,7 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   float* gu = att + (size_t)M * A;
   float* act = gu + (size_t)M * 2 * I;
   float* sc = act + (size_t)M * I; /* attention's or the linear layers' scratch, never both at once */
-  sw_embed(m->embed, tokens, M, x, C);
+  embed(m->embed, tokens, M, x, C);
   for (int f = 0; f < n_feat; f++)
     if (feat_layers[f] == 0) keep_rows(x, C, n_frows, feat_rows, f, n_feat, features);
   const size_t el = cache->bf16 ? 2 : 4;
@@ -1131,11 +1133,11 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
     const sw_layer* L = m->layers + l;
     sw_kv kv = {(char*)cache->k + l * layer_bytes, (char*)cache->v + l * layer_bytes, cache->bf16, cache->capacity,
                 slot_stride, head_stride};
-    sw_rmsnorm(x, M, C, C, L->attn_norm, m->eps, h, C);
+    rmsnorm(x, M, C, C, L->attn_norm, m->eps, h, C);
     gemm(&L->qkv, h, M, C, qkv, QKV, 0, nthreads, sc);
-    sw_attention(qkv, M, QKV, pos, slot, H, Hkv, D, m->cos_t, m->sin_t, &kv, att, A, sc, nthreads);
+    if (attention(qkv, M, QKV, pos, slot, H, Hkv, D, m->cos_t, m->sin_t, &kv, att, A, sc, nthreads)) return -9;
     gemm(&L->o, att, M, A, x, C, 1, nthreads, sc);
-    sw_rmsnorm(x, M, C, C, L->ffn_norm, m->eps, h, C);
+    rmsnorm(x, M, C, C, L->ffn_norm, m->eps, h, C);
     gemm(&L->gate_up, h, M, C, gu, 2 * I, 0, nthreads, sc);
     silu_job sj = {gu, I, act};
     parallel(silu_unit, &sj, M, (long)M * I >= 8192 ? nthreads : 1); /* one row a unit */
@@ -1146,7 +1148,7 @@ int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const i
   if (n_out > 0) {
     float* sel = h; /* n_out ≤ M rows */
     for (int r = 0; r < n_out; r++)
-      sw_rmsnorm(x + (size_t)out_rows[r] * C, 1, C, C, m->norm, m->eps, sel + (size_t)r * C, C);
+      rmsnorm(x + (size_t)out_rows[r] * C, 1, C, C, m->norm, m->eps, sel + (size_t)r * C, C);
     gemm(m->head, sel, n_out, C, logits, m->vocab, 0, nthreads, sc);
   }
   return 0;
@@ -1176,7 +1178,7 @@ long sw_head_scratch_floats(const sw_head* h, int M, int capacity, int nthreads)
  * The attention input is [input_norm(embed(token)) | hidden_norm(g)]; then the decoder layer, the final norm and the
  * LM head over the draft vocabulary: logits (M × lm.n) and the hidden state before the norm (M × hidden). One call
  * for what took eleven: the head runs between target passes, where every call's overhead is paid on cold caches.
- * 0, or sw_forward's codes: -1 position, -2 slot, -3 token, -5 capacity, -6 shapes. */
+ * 0, or sw_forward's codes: -1 position, -2 slot, -3 token, -5 capacity, -6 shapes, -8 no rows, -9 memory. */
 int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                  const int32_t* slot, const float* hidden, int fused, float* logits, float* out_hidden, float* scratch,
                  int nthreads) {
@@ -1184,6 +1186,7 @@ int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* 
   const int QKV = (H + 2 * Hkv) * D, A = H * D;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (M < 1) return -8;
   if (cache->capacity % 16 || cache->capacity < cache->max_len || cache->bf16) return -5;
   if (H < 1 || Hkv < 1 || H % Hkv || D % 16 || D > 128 || h->n_features < 1 || !linear_is(h->fc, C, F) ||
       !linear_is(h->qkv, QKV, 2 * C) || !linear_is(h->o, C, A) || !linear_is(h->gate_up, 2 * I, C) ||
@@ -1208,9 +1211,9 @@ int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* 
     memcpy(g, hidden, (size_t)M * C * sizeof(float));
   else
     gemm(h->fc, hidden, M, F, g, C, 0, nthreads, sc);
-  sw_embed(h->embed, tokens, M, e, C);
-  sw_rmsnorm(e, M, C, C, h->input_norm, h->eps, x, 2 * C);
-  sw_rmsnorm(g, M, C, C, h->hidden_norm, h->eps, x + C, 2 * C);
+  embed(h->embed, tokens, M, e, C);
+  rmsnorm(e, M, C, C, h->input_norm, h->eps, x, 2 * C);
+  rmsnorm(g, M, C, C, h->hidden_norm, h->eps, x + C, 2 * C);
   float* s = out_hidden; /* the residual stream, M × C */
   for (int i = 0; i < M; i++)
     memcpy(s + (size_t)i * C, h->norm_before_residual ? x + (size_t)i * 2 * C + C : g + (size_t)i * C,
@@ -1218,13 +1221,13 @@ int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* 
   gemm(h->qkv, x, M, 2 * C, qkv, QKV, 0, nthreads, sc);
   const int64_t head_stride = (int64_t)cache->capacity * D, slot_stride = head_stride * Hkv;
   sw_kv kv = {cache->k, cache->v, 0, cache->capacity, slot_stride, head_stride};
-  sw_attention(qkv, M, QKV, pos, slot, H, Hkv, D, h->cos_t, h->sin_t, &kv, att, A, sc, nthreads);
+  if (attention(qkv, M, QKV, pos, slot, H, Hkv, D, h->cos_t, h->sin_t, &kv, att, A, sc, nthreads)) return -9;
   gemm(h->o, att, M, A, s, C, 1, nthreads, sc);
-  sw_rmsnorm(s, M, C, C, h->post_norm, h->eps, hh, C);
+  rmsnorm(s, M, C, C, h->post_norm, h->eps, hh, C);
   gemm(h->gate_up, hh, M, C, gu, 2 * I, 0, nthreads, sc);
-  sw_silu_mul(gu, M, I, act);
+  silu_mul(gu, M, I, act);
   gemm(h->down, act, M, I, s, C, 1, nthreads, sc);
-  sw_rmsnorm(s, M, C, C, h->norm, h->eps, n, C);
+  rmsnorm(s, M, C, C, h->norm, h->eps, n, C);
   gemm(h->lm, n, M, C, logits, h->lm->n, 0, nthreads, sc);
   return 0;
 }

@@ -79,7 +79,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 7
+#define SW_ABI 8
 
 enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3, SW_Q5 = 4, SW_Q6 = 5 };
 enum { SW_SCALES_F32 = 0, SW_SCALES_F16 = 1, SW_SCALES_K = 2, SW_SCALES_K6 = 3 };
@@ -180,17 +180,11 @@ int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ld
 void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum,
                       int32_t* half);
 uint64_t sw_stream(const void* buf, size_t bytes, int nthreads);
-void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int ldo);
-void sw_rmsnorm(const float* x, int M, int C, int ldx, const float* w, float eps, float* out, int ldo);
-void sw_silu_mul(const float* gu, int M, int I, float* out);
 /* Floats of scratch sw_head_step needs for M rows; one head pass (decoder.c says what it computes). */
 long sw_head_scratch_floats(const sw_head* h, int M, int capacity, int nthreads);
 int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
                  const int32_t* slot, const float* hidden, int fused, float* logits, float* out_hidden, float* scratch,
                  int nthreads);
-void sw_attention(float* qkv, int M, int ldq, const int64_t* pos, const int32_t* slot, int H, int Hkv, int D,
-                  const float* cos_t, const float* sin_t, const sw_kv* kv, float* out, int ldo, float* scratch,
-                  int nthreads);
 
 /* --- what each gemm_<variant>.c provides --------------------------------------------------------------------- */
 

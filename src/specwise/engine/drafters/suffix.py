@@ -134,10 +134,11 @@ class SuffixDrafter:
         return self.shared("")
 
     def history_tokens(self) -> int:
-        return sum(h.tokens for h in self.histories.values())
+        """All tenants' history tokens, from a snapshot: /metrics reads this while the engine thread adds tenants."""
+        return sum(h.tokens for h in tuple(self.histories.values()))
 
     def history_bytes(self) -> int:
-        return sum(h.nbytes() for h in self.histories.values())
+        return sum(h.nbytes() for h in tuple(self.histories.values()))
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         out = []
