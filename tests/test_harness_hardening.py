@@ -115,6 +115,75 @@ def test_every_malformed_response_becomes_that_requests_error_and_the_phase_goes
         server.shutdown()
 
 
+# --- issue 31 items 10 and 11: requests that never end, counts no request can hold ---------------------------------
+
+FINAL = b'data: {"choices": [{"text": "x", "finish_reason": "stop"}], '
+
+
+class Endless(BaseHTTPRequestHandler):
+    """Streams that never end on their own (keep-alive pings, data without end, a line without end), or end with
+    speculation counts no request of two tokens can hold."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "odd"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the client hangs up: that is the point
+            if prompt == "vllm-huge":
+                self.wfile.write(FINAL + b'"usage": {"completion_tokens": 2}, "metrics": {"speculative_decoding": '
+                                 b'{"per_step_drafted": [1000000000], "per_step_accepted": [0]}}}\n\n')  # fmt: skip
+            elif prompt == "too-many-steps":
+                self.wfile.write(FINAL + b'"usage": {"completion_tokens": 2, "speculative": {"verification_steps": '
+                                 b'900, "drafted_tokens": 900, "accepted_tokens": 0}}}\n\n')  # fmt: skip
+            while prompt in ("pings", "endless", "long-line"):
+                piece = {"pings": b": ping\n\n", "endless": b'data: {"choices": [{"text": "x"}]}\n\n'}
+                self.wfile.write(piece.get(prompt, b"x" * 65536))
+                self.wfile.flush()
+                if prompt == "pings":
+                    time.sleep(0.1)
+
+
+def test_every_request_ends_by_its_deadline_and_counts_beyond_its_tokens_are_its_error():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    backend = HTTPBackend(f"http://127.0.0.1:{server.server_port}", None, [Config("baseline")], request_timeout=1.5)
+    names = ["pings", "endless", "long-line", "vllm-huge", "too-many-steps"]
+    records = []
+    requests = [Request(p, [], 0, i, p, 4) for i, p in enumerate(names)]
+    worker = threading.Thread(
+        target=backend.run, args=("baseline", parse_load("concurrent@5"), requests, records.append), daemon=True
+    )
+    worker.start()
+    worker.join(30)  # before: the pings and the endless stream held the phase for ever
+    try:
+        assert not worker.is_alive(), "the phase did not finish"
+        by = {r.task_id: r.error or "" for r in records}
+        assert "deadline of 1.5 s" in by["pings"], by
+        assert "deadline" in by["endless"] or "passed 64 MB" in by["endless"], by
+        assert "stream line over 1 MB" in by["long-line"], by
+        assert "more than one request can hold" in by["vllm-huge"], by
+        assert "900 verification steps" in by["too-many-steps"], by
+    finally:
+        backend.close()
+        server.shutdown()
+
+
+def test_a_request_deadline_must_be_positive():
+    with pytest.raises(SpecwiseError, match="--request-timeout 0 is not allowed"):
+        HTTPBackend("http://127.0.0.1:1", "m", [Config("baseline")], request_timeout=0)
+
+
 # --- item 13: launched servers ---------------------------------------------------------------------------------------
 
 

@@ -84,13 +84,16 @@ class Live:
         max_body: int = 1 << 20,
         suffix_history: str = "per-key",
         admin_key: str | None = None,
+        allowed_hosts: tuple[str, ...] | None = None,
     ):
         history = {} if suffix_history == "per-key" else {"suffix_history": suffix_history}  # the default stated once
         self.state = ServerState.build(engine, "tiny", policy, max_queue, api_key, admin_key, **history)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(create_app(self.state, max_body), host="127.0.0.1", port=self.port, log_level="error")
+            uvicorn.Config(
+                create_app(self.state, max_body, allowed_hosts), host="127.0.0.1", port=self.port, log_level="error"
+            )
         )
         self.state.scheduler.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -403,6 +406,22 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["", "x"]}, {}, 400, "stop", "non-empty"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "echo": True}, {}, 400, "echo", "not supported"),
     ("/v1/embeddings", {"model": "tiny", "input": "a"}, {}, 404, None, "no route"),
+    (  # issue 31 item 14: before, ~30,000 empty messages were templated and tokenized before a refusal
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 3000},
+        {},
+        400,
+        "messages",
+        "3000 chat messages cannot fit the context",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 4097},
+        {},
+        400,
+        "messages",
+        "at most 4096",
+    ),
 ]
 
 
@@ -837,6 +856,8 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
         (["--drafter", "magic"], "magic"),
         (["--api-key", " "], "--api-key holds an empty key"),
         (["--api-key", "a b"], "may not hold spaces"),
+        (["--allowed-hosts", " , "], "--allowed-hosts is empty"),
+        (["--max-connections", "0"], "--max-connections 0 is not allowed"),
     ],
 )
 def test_bad_serve_flags(tiny_dir, args, needle):

@@ -147,6 +147,36 @@ def test_when_the_engine_thread_dies_streams_end_with_an_error_and_health_says_5
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_down", late.text
 
 
+# --- issue 31 item 13: a streamed choice that fails ends its siblings too ------------------------------------------
+
+
+class FailsOneChoice(SlowEngine):
+    """The first 'boom' sequence to reach 3 output tokens raises in its commit; its sibling choices do not."""
+
+    victim: str | None = None
+
+    def _commit(self, seq, new, logprobs=None):
+        if "boom" in self.tokenizer.decode(seq.token_ids[: seq.prompt_len]) and len(seq.output_ids) >= 3:
+            self.victim = self.victim or seq.request_id
+            if seq.request_id == self.victim:
+                raise RuntimeError("a fault in one choice")
+        return super()._commit(seq, new, logprobs)
+
+
+def test_a_streamed_choice_that_fails_cancels_its_siblings(target):
+    engine = FailsOneChoice(target, max_batch=2)
+    engine.delay = 0.01  # 400 tokens take > 4 s: the sibling would run on that long
+    with serving(engine) as live:
+        body = {"model": "tiny", "prompt": "boom", "max_tokens": 400, "ignore_eos": True, "n": 2, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert "error" in json.loads(lines[-1][5:]), lines[-2:]
+        assert _wait(lambda: not engine.running and not engine.waiting, 1.5), [
+            s.stats.generated_tokens for s in engine.running
+        ]
+        assert engine.free_slots == [0, 1]
+
+
 # --- item 6: tokenizing off the event loop ---------------------------------------------------------------------------
 
 
@@ -388,3 +418,45 @@ def test_serve_refuses_a_log_size_of_zero(tmp_path, capsys):
 
     assert main(["serve", "--model", str(tmp_path / "none"), "--log", str(tmp_path / "l.db"), "--log-max-mb", "0"]) == 2
     assert "--log-max-mb 0.0 is not allowed" in capsys.readouterr().err
+
+
+# --- issue 31 item 15: who a keyless server answers -----------------------------------------------------------------
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(target):
+    from specwise.server.command import allowed_hosts
+    from specwise.server.middleware import LOOPBACK_HOSTS, host_name
+
+    assert allowed_hosts("127.0.0.1", None) == LOOPBACK_HOSTS and allowed_hosts("0.0.0.0", None) is None
+    assert allowed_hosts("127.0.0.1", "a.example, B.example") == ("a.example", "b.example")
+    assert allowed_hosts("127.0.0.1", "*") is None
+    assert [host_name(h) for h in ("[::1]:8000", "LOCALHOST:80", "a.b", "::1")] == ["::1", "localhost", "a.b", "::1"]
+    with serving(SlowEngine(target, max_batch=1), allowed_hosts=LOOPBACK_HOSTS) as live:
+        for host in ("127.0.0.1", f"localhost:{live.port}", f"[::1]:{live.port}"):
+            assert httpx.get(live.url + "/health", headers={"Host": host}).status_code == 200, host
+        evil = httpx.post(
+            live.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+            headers={"Host": f"attacker.example:{live.port}"},
+        )
+        assert evil.status_code == 421 and evil.json()["error"]["code"] == "host_not_allowed", evil.text
+        assert "attacker.example" in evil.json()["error"]["message"]
+
+
+def test_serve_on_all_interfaces_without_a_key_warns(tiny_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specwise.cli", "serve", "--model", str(tiny_dir), "--host", "0.0.0.0", "--port",
+         str(port)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stderr:  # the warning comes before the server starts listening
+            lines.append(line)
+            if "warning" in line or len(lines) > 20:
+                break
+        assert any("without --api-key: anyone who can reach this port can generate" in x for x in lines), lines
+    finally:
+        proc.terminate()
+        proc.wait(10)

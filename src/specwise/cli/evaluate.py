@@ -79,6 +79,13 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="seconds to wait for a launched server's /health (default 600)",
     )
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="with --endpoint: seconds one request may take to its last byte, after which it is that request's "
+        "error (default: a generous bound from each task's max_tokens)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("SPECWISE_API_KEY"),
         help="bearer token for --endpoint (default $SPECWISE_API_KEY)",

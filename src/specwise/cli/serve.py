@@ -47,6 +47,17 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
+        "--allowed-hosts",
+        help="comma-separated Host header values the server answers (others get 421; '*': any). Default: "
+        "localhost, 127.0.0.1 and ::1 when bound to loopback, any otherwise",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        help="concurrent connections served; more get 503 (default 256)",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         help="require 'Authorization: Bearer KEY' on /v1 routes and the API docs (repeat for several clients' keys; "

@@ -215,7 +215,13 @@ class Engine:
                 raise SpecwiseError(
                     "chat messages must be a non-empty list of {'role': ..., 'content': ...}", param="prompt"
                 )
-            self._check_bytes(sum(len(str(m["content"]).encode("utf-8", "replace")) for m in prompt))
+            if len(prompt) > self.max_len:  # each message costs at least one token of the template's markup
+                raise SpecwiseError(
+                    f"{len(prompt)} chat messages cannot fit the context of {self.max_len} tokens (each message takes "
+                    "at least one token of the chat template)",
+                    param="messages",
+                )
+            self._check_bytes(sum(len(f"{m['role']}{m['content']}".encode("utf-8", "replace")) for m in prompt))
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if not isinstance(prompt, str) or not prompt:

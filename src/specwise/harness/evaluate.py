@@ -278,6 +278,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             launch_timeout=args.launch_timeout,
             log_dir=out,
+            request_timeout=args.request_timeout,
         )
     else:
         backend = EngineBackend(

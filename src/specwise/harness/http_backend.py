@@ -43,6 +43,14 @@ from specwise.harness.server_reports import (
 )
 from specwise.harness.store import Record
 from specwise.identity import local_weights
+from specwise.speccounts import SpecCounts
+
+# A request's deadline (the whole stream, from the request to its last byte) unless --request-timeout sets one:
+# generous for a CPU server under load, finite for one that sends keep-alives or data without end.
+DEADLINE_BASE_S = 300.0
+DEADLINE_PER_TOKEN_S = 2.0
+MAX_LINE_BYTES = 1 << 20  # one line of a stream
+MAX_RESPONSE_BYTES = 64 << 20  # one request's whole stream
 
 
 class HTTPBackend:
@@ -58,7 +66,11 @@ class HTTPBackend:
         timeout: float = 600.0,
         launch_timeout: float = 600.0,
         log_dir: Path | None = None,
+        request_timeout: float | None = None,
     ):
+        if request_timeout is not None and not request_timeout > 0:
+            raise SpecwiseError(f"--request-timeout {request_timeout} is not allowed: give seconds above 0")
+        self.request_timeout, self.read_timeout = request_timeout, timeout
         if not re.match(r"^https?://[^/\s]+", endpoint or ""):
             raise SpecwiseError(f"--endpoint {endpoint!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
         self.base = endpoint.rstrip("/").removesuffix("/v1")
@@ -315,6 +327,13 @@ class HTTPBackend:
             return None
         return parse_spec_counters(r.text) if r.status_code == 200 else None
 
+    def deadline(self, req: Request) -> float:
+        """Seconds one request may take from its start to its last byte: --request-timeout, else a generous bound
+        from its max_tokens."""
+        if self.request_timeout is not None:
+            return self.request_timeout
+        return DEADLINE_BASE_S + DEADLINE_PER_TOKEN_S * req.max_tokens
+
     def _record(self, config: str, load: Load, req: Request) -> Record:
         """One request's record; whatever the server answers (an error, a malformed stream, a dropped connection),
         a record comes back — an error record then — so the phase goes on."""
@@ -342,6 +361,8 @@ class HTTPBackend:
         rec.prefill = out["prefill"]
         rec.chunks = [[t - t0, n] for t, n in out["rendered"]]
         rec.spec = out["spec"]
+        if rec.spec is not None:
+            bound_by_tokens(rec.spec, rec.output_tokens)
         rec.verify = out["verify"]  # only a specwise server says; the audit then knows its evidence
         return rec
 
@@ -363,12 +384,16 @@ class HTTPBackend:
         chunks: list[float] = []
         rendered: list[tuple[float, int]] = []  # arrival time and characters of each piece of text
         finish, usage, spec, prefill, verify = None, None, None, None, None
+        limit = self.deadline(req)
+        deadline = t0 + limit
+        # Each read waits at most the time left; between reads the deadline is checked: a stream ends by then.
+        per_read = httpx.Timeout(min(self.read_timeout, limit), connect=10.0)
         try:
-            with self.client.stream("POST", url, json=body) as r:
+            with self.client.stream("POST", url, json=body, timeout=per_read) as r:
                 if r.status_code != 200:
                     r.read()
                     raise SpecwiseError(f"HTTP {r.status_code}: {_error_message(r)}")
-                for line in r.iter_lines():
+                for line in _lines(r, deadline, limit):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
@@ -402,6 +427,8 @@ class HTTPBackend:
                             chunks.append(time.perf_counter())
                             rendered.append((chunks[-1], len(piece)))
                         finish = choice.get("finish_reason") or finish
+        except httpx.TimeoutException:
+            raise SpecwiseError(f"no answer within the request's deadline of {limit:g} s (--request-timeout)") from None
         except httpx.HTTPError as exc:
             raise SpecwiseError(f"request to {url} failed: {type(exc).__name__}: {exc}") from None
         return {
@@ -468,6 +495,37 @@ def _listener(port: int) -> str | None:
                     cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
                     return f"pid {proc.name}: {redact(cmd[:160])}"
     return None
+
+
+def _lines(r: httpx.Response, deadline: float, limit: float):
+    """The stream's lines, within the request's deadline and the caps on a line's and the whole stream's size."""
+    pending, total = b"", 0
+    for piece in r.iter_bytes():
+        total += len(piece)
+        if total > MAX_RESPONSE_BYTES:
+            raise SpecwiseError(f"the server's stream passed {MAX_RESPONSE_BYTES >> 20} MB for one request")
+        if time.perf_counter() > deadline:
+            raise SpecwiseError(
+                f"the stream did not end within the request's deadline of {limit:g} s (--request-timeout)"
+            )
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > MAX_LINE_BYTES:
+            raise SpecwiseError(f"the server sent a stream line over {MAX_LINE_BYTES >> 20} MB")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def bound_by_tokens(spec: SpecCounts, output_tokens: int) -> None:
+    """Refuse speculation counts the request's own tokens cannot hold (a malformed response): every verification
+    step and every accepted draft token yields an output token."""
+    if spec.steps > output_tokens + 1 or spec.accepted > output_tokens:
+        raise SpecwiseError(
+            f"the server reported {spec.steps} verification steps and {spec.accepted} accepted draft tokens for "
+            f"{output_tokens} output tokens: not counts of this request"
+        )
 
 
 def _count(value: object, name: str) -> int:

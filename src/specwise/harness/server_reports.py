@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, fields
 
+from specwise.errors import SpecwiseError
 from specwise.speccounts import SpecCounts
 
 COUNTERS = {
@@ -136,15 +137,25 @@ def spec_from_payload(obj: dict) -> SpecCounts | None:
         return _from_vllm(vllm)
     timings = obj.get("timings")
     if isinstance(timings, dict) and "draft_n" in timings:
-        return SpecCounts(drafted=int(timings["draft_n"]), accepted=int(timings.get("draft_n_accepted") or 0))
+        return SpecCounts(drafted=_int(timings["draft_n"]), accepted=_int(timings.get("draft_n_accepted")))
     for meta in [obj.get("meta_info")] + [c.get("meta_info") for c in obj.get("choices") or [] if isinstance(c, dict)]:
         if isinstance(meta, dict) and "spec_verify_ct" in meta:
             return SpecCounts(
-                steps=int(meta["spec_verify_ct"]),
-                drafted=int(meta.get("spec_draft_token_num") or 0),
-                accepted=int(meta.get("spec_accept_token_num") or 0),
+                steps=_int(meta["spec_verify_ct"]),
+                drafted=_int(meta.get("spec_draft_token_num")),
+                accepted=_int(meta.get("spec_accept_token_num")),
             )
     return None
+
+
+MAX_STEP_DRAFT = 256  # draft tokens one verification step can hold (vLLM, llama.cpp and specwise draft far fewer)
+MAX_STEPS = 1 << 20  # verification steps one request can report (one per output token at most)
+
+
+def _bounded(v: int, most: int, name: str) -> int:
+    if v > most:
+        raise SpecwiseError(f"the server reported {name} = {v}, more than one request can hold (at most {most})")
+    return v
 
 
 def _from_vllm(m: dict) -> SpecCounts:
@@ -153,22 +164,40 @@ def _from_vllm(m: dict) -> SpecCounts:
     the drafted per position only where every step drafted num_spec_tokens)."""
     drafted_steps, accepted_steps = m.get("per_step_drafted") or [], m.get("per_step_accepted") or []
     if _counts(drafted_steps) and _counts(accepted_steps) and len(drafted_steps) == len(accepted_steps):
+        _bounded(len(drafted_steps), MAX_STEPS, "len(per_step_drafted)")
+        _bounded(max(drafted_steps), MAX_STEP_DRAFT, "a step's drafted tokens")
         c = SpecCounts()
         for d, a in zip(drafted_steps, accepted_steps, strict=True):
             c.observe_step(int(d), min(int(a), int(d)))
         return c
+    steps = _bounded(_int(m.get("num_spec_steps")), MAX_STEPS, "num_spec_steps")
     c = SpecCounts(
-        steps=int(m.get("num_spec_steps") or 0),
-        drafted=int(m.get("num_draft_tokens") or 0),
-        accepted=int(m.get("num_accepted_draft_tokens") or 0),
+        steps=steps,
+        drafted=_bounded(_int(m.get("num_draft_tokens")), steps * MAX_STEP_DRAFT, "num_draft_tokens"),
+        accepted=_bounded(
+            _int(m.get("num_accepted_draft_tokens")), steps * MAX_STEP_DRAFT, "num_accepted_draft_tokens"
+        ),
     )
     hist = m.get("acceptance_histogram") or []  # hist[j]: steps that accepted exactly j draft tokens
+    if not isinstance(hist, list) or (hist and not _counts(hist)):
+        raise SpecwiseError(f"the server reported acceptance_histogram = {hist!r:.80}, not a list of counts")
+    _bounded(len(hist), MAX_STEP_DRAFT + 1, "len(acceptance_histogram)")
     c.accepted_per_position = [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
     k = m.get("num_spec_tokens")
-    if isinstance(k, int) and k > 0 and c.drafted == c.steps * k:  # every step drafted k: the positions follow
+    if (
+        isinstance(k, int) and 0 < k <= MAX_STEP_DRAFT and c.drafted == c.steps * k
+    ):  # every step drafted k: the positions follow
         c.drafted_per_position = [c.steps] * k
         c.rejections = c.steps - (hist[k] if len(hist) > k else 0)
     return c
+
+
+def _int(v: object) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise SpecwiseError(f"the server reported {v!r:.80} where a count belongs")
+    return v
 
 
 def _counts(v: object) -> bool:

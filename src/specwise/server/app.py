@@ -112,7 +112,10 @@ class ServerState:
         return cls(scheduler, name, metrics, keys, admin_key, info, suffix_history=suffix_history)
 
 
-def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+def create_app(
+    state: ServerState, max_body: int = DEFAULT_MAX_BODY, allowed_hosts: tuple[str, ...] | None = None
+) -> FastAPI:
+    """The ASGI app; `allowed_hosts` (None: any) are the Host header values it answers (DNS rebinding)."""
     app = FastAPI(
         title="specwise",
         version=__version__,
@@ -214,5 +217,7 @@ def create_app(state: ServerState, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
         state.scheduler.set_policy(policy, "admin", reason)
         return {**policy_view(state.scheduler), "policy": policy.describe(), "applies": "from the next step"}
 
-    app.add_middleware(BodyLimit, limit=max_body, api_keys=state.api_keys, admin_key=state.admin_key)
+    app.add_middleware(
+        BodyLimit, limit=max_body, api_keys=state.api_keys, admin_key=state.admin_key, allowed_hosts=allowed_hosts
+    )
     return app

@@ -17,6 +17,7 @@ from specwise.monitor.drift import load_baseline, parse_window
 from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import RequestLog
 from specwise.policy import Policy, PolicyFile
+from specwise.server.middleware import LOOPBACK_HOSTS
 from specwise.specs import parse_threshold
 
 
@@ -52,6 +53,17 @@ def api_keys(given: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def allowed_hosts(bind: str, given: str | None) -> tuple[str, ...] | None:
+    """The Host header values to answer: --allowed-hosts ('*': any), else loopback's names when bound to
+    loopback (a keyless local server is what DNS rebinding reaches), else any."""
+    if given is not None:
+        names = tuple(h.strip().lower() for h in given.split(",") if h.strip())
+        if not names:
+            raise SpecwiseError("--allowed-hosts is empty: give host names (e.g. localhost,myhost) or '*' for any")
+        return None if "*" in names else names
+    return LOOPBACK_HOSTS if bind in LOOPBACK_HOSTS else None
+
+
 def memory_line(engine) -> str:
     """The resident budget's parts on one line (weights, KV cache of every slot, scratch), for the CPU kernels."""
     from specwise.engine.native import NativeDecoder
@@ -77,6 +89,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--max-queue, --max-batch and --prefill-chunk must be ≥ 1")
     if args.max_body < 1024:
         raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
+    if args.max_connections < 1:
+        raise SpecwiseError(f"--max-connections {args.max_connections} is not allowed: give 1 or more")
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
     keys = api_keys(args.api_key)
     if args.admin_key is not None and (not args.admin_key.strip() or args.admin_key in keys):
         raise SpecwiseError("--admin-key must be a non-empty key of its own (not a client --api-key)")
@@ -152,7 +167,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             scheduler.set_policy(new, "admin", f"SIGHUP: {reason}")
 
         signal.signal(signal.SIGHUP, reread)
-    app = create_app(state, max_body=args.max_body)
+    app = create_app(state, max_body=args.max_body, allowed_hosts=hosts)
     scheduler.start()
     budget = memory_line(engine)
     if budget:
@@ -163,8 +178,22 @@ def serve_from_args(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if not keys and args.host not in LOOPBACK_HOSTS:
+        print(
+            f"specwise serve: warning: bound to {args.host} without --api-key: anyone who can reach this port can "
+            "generate, and every client shares one suffix-drafting history",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            limit_concurrency=args.max_connections,
+        )
     finally:
         scheduler.stop()
         if watch is not None:

@@ -336,7 +336,8 @@ async def _stream(
                 yield sse(chunk(c, None, None))
         while any(c.result is None for c in choices.values()):
             at, event = await _next_event(state, relay)
-            if isinstance(event, BaseException):
+            if isinstance(event, BaseException):  # one choice failed: the request ends, its siblings with it
+                _take_back(state, [c.seq for c in choices.values() if c.result is None])
                 yield sse(error_body(f"the engine failed while generating ({type(event).__name__})", "server_error"))
                 break
             c = choices[event.request_id]

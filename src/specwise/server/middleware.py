@@ -23,18 +23,48 @@ def key_index(auth: str, keys: tuple[str, ...]) -> int | None:
     return found
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port ('[::1]:8000' → '::1', 'a.b:80' → 'a.b'), lowercased."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1 : h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes (413) and check the bearer token on /v1 and the
     API documents (401); the index of the key a request came with goes into its scope (`specwise_key`)."""
 
-    def __init__(self, app, limit: int, api_keys: tuple[str, ...], admin_key: str | None = None):
+    def __init__(
+        self,
+        app,
+        limit: int,
+        api_keys: tuple[str, ...],
+        admin_key: str | None = None,
+        allowed_hosts: tuple[str, ...] | None = None,
+    ):
         self.app, self.limit, self.api_keys, self.admin_key = app, limit, api_keys, admin_key
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope["path"]
+        if self.allowed_hosts is not None:  # a page that rebinds its DNS name to loopback reaches no keyless server
+            host = host_name(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                return await send_error(
+                    send,
+                    421,
+                    f"the Host header {host!r:.80} is not one this server answers to: allowed "
+                    f"{sorted(self.allowed_hosts)} (serve --allowed-hosts)",
+                    "invalid_request_error",
+                    "host_not_allowed",
+                )
         if self.api_keys and (path.startswith("/v1") or path.startswith(DOC_PATHS)):
             auth = headers.get("authorization", "")
             index = key_index(auth, self.api_keys)

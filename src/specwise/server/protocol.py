@@ -21,6 +21,7 @@ MAX_STOP = 4
 MAX_N = 16  # choices of one request (n), and prompts × n of one completions request
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, OpenAI's cap (each costs work per row per step)
+MAX_MESSAGES = 4096  # messages of one chat request (the engine also refuses more than its context can hold)
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")
 VERIFY = Literal["coupled", "rejection"]  # specs.VERIFY_METHODS (a test keeps them equal)
 
@@ -175,7 +176,7 @@ class Message(Strict):
 
 
 class ChatRequest(SamplingFields):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
