@@ -230,6 +230,32 @@ def test_a_head_for_another_target_or_a_broken_one_is_refused(tiny4, tiny4_head,
         Engine(tiny4, drafter="eagle:")
 
 
+@pytest.mark.parametrize(
+    "edit, needle",
+    [  # issue 31 item 17: before, AttributeError / TypeError, or a 2-layer head ran its first layer silently
+        (lambda c: c.update(transformer_layer_config=[1, 2]), "transformer_layer_config must be an object"),
+        (lambda c: c["specwise"].update(target_sha256=["a"]), "target_sha256 must be a hash"),
+        (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), "num_hidden_layers 2 (this target: 1)"),
+        (lambda c: c["transformer_layer_config"].update(head_dim=8), "head_dim 8 (this target: 16)"),
+        (lambda c: c["transformer_layer_config"].update(rope_theta=5e5), "rope_theta 500000.0 (this target"),
+        (lambda c: c["transformer_layer_config"].update(rms_norm_eps="1e-5"), "rms_norm_eps 1e-5 (this target"),
+    ],
+)
+def test_a_head_whose_config_does_not_fit_the_target_is_refused_naming_the_field(
+    tiny4, tiny4_head, tmp_path, edit, needle
+):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny4_head, bad)
+    conf = json.loads((bad / E.CONFIG).read_text())
+    edit(conf)
+    (bad / E.CONFIG).write_text(json.dumps(conf))
+    with pytest.raises(SpecwiseError) as err:
+        Engine(tiny4, drafter=f"eagle:{bad}")
+    assert needle in str(err.value), str(err.value)
+
+
 def test_the_head_is_the_drafts_identity(tiny4, tiny4_head):
     engine = Engine(tiny4, drafter=f"eagle:{tiny4_head}", k=2)
     prov = engine.drafter.provenance(tiny4.identity.sha256)

@@ -7,6 +7,7 @@ test_kernel_selftest.py.
 """
 
 import ctypes
+import stat
 import subprocess
 import sys
 
@@ -256,6 +257,12 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path):
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert again.stdout == first.stdout and "building the generic CPU kernels" in again.stderr
     assert built.stat().st_size > 1000
+    # Issue 31 item 9: a library that loads and answers with this ABI and variant, but is not the file built (here a
+    # byte appended: still a loadable ELF), is built again, not loaded; the cache is owner-only.
+    assert stat.S_IMODE(built.stat().st_mode) & 0o077 == 0 and stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    built.write_bytes(built.read_bytes() + b"\0")
+    third = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert third.stdout == first.stdout and "building the generic CPU kernels" in third.stderr
 
 
 # --- the whole decoder ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -126,30 +127,55 @@ def test_a_packed_tensor_that_disagrees_with_its_format_never_reaches_c():
 
 
 def test_a_damaged_packed_cache_is_packed_again(tmp_path, monkeypatch, capsys):
-    """native-v3.safetensors in the conversion cache holding something else than this model's packing (another
-    version's layout, a damaged file) is packed again from the source, not loaded."""
+    """native-v4.safetensors in the conversion cache holding something else than this model's packing (another
+    version's layout, a damaged file, numbers changed since it was written, another GGUF's packing) is packed again
+    from the source, not loaded (issue 31 item 9: a tampered file used to change the outputs under the GGUF's
+    hash)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from specwise.engine import gguf
     from specwise.engine.model import ModelConfig
     from specwise.engine.native import from_gguf
-    from specwise.engine.weights import NATIVE_VERSION, _cached_native
+    from specwise.engine.weights import NATIVE_VERSION, _cached_native, packed_digest
 
     path = tmp_path / "m.gguf"
     write_gguf(path, {"blk.0.attn_q.weight": "Q4_0", "token_embd.weight": "Q8_0"})
     reader = gguf.open_gguf(path)
     cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
-    first = _cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg))
+    source = "ab" * 32
+
+    def load():
+        return _cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg), source)
+
+    first = load()
     cached = tmp_path / f"native-v{NATIVE_VERSION}.safetensors"
-    tensors = load_file(str(cached))
-    meta = {"precision": first.precision, "tied": "False", **{k: v for k, v in first.state()[1].items()}}
-    tensors["layers.0.qkv.w"] = tensors["layers.0.qkv.w"][:, :4].contiguous()  # an older, smaller layout
-    save_file(tensors, str(cached), metadata=meta)
-    again = _cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg))
-    assert "packing the weights again" in capsys.readouterr().err
-    assert torch.equal(again.layers[0].qkv.w, first.layers[0].qkv.w)
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o600
+    with safe_open(str(cached), "pt") as f:
+        meta = f.metadata()
+    assert meta["source_sha256"] == source and meta["packed_sha256"] == packed_digest(load_file(str(cached)))
+    assert torch.equal(load().layers[0].qkv.w, first.layers[0].qkv.w) and not capsys.readouterr().err  # as found
+
+    def rewrite(edit, **meta_changes):
+        tensors = load_file(str(cached))
+        edit(tensors)
+        digest = packed_digest(tensors) if meta_changes.pop("redigest", False) else meta["packed_sha256"]
+        save_file(tensors, str(cached), metadata={**meta, "packed_sha256": digest, **meta_changes})
+        again = load()
+        assert "packing the weights again" in capsys.readouterr().err
+        assert torch.equal(again.layers[0].qkv.w, first.layers[0].qkv.w)
+
+    def smaller(t):  # an older, smaller layout (its digest recomputed: only the layout check is left to catch it)
+        t["layers.0.qkv.w"] = t["layers.0.qkv.w"][:, :4].contiguous()
+
+    def tampered(t):  # same shapes, other numbers: outputs would change under the GGUF's hash
+        t["layers.0.qkv.w"].view(torch.uint8).reshape(-1)[:64] ^= 0x5A
+
+    rewrite(smaller, redigest=True)
+    rewrite(tampered)
+    rewrite(lambda t: None, source_sha256="cd" * 32)  # another GGUF's packing
     cached.write_bytes(b"not a safetensors file")
-    assert torch.equal(_cached_native(tmp_path, cfg, lambda: from_gguf(path, cfg)).norm, first.norm)
+    assert torch.equal(load().norm, first.norm)
 
 
 def test_prompt_ids_outside_the_models_vocabulary_are_refused_at_submission(tmp_path):

@@ -321,15 +321,38 @@ def read(directory: Path, cfg: ModelConfig) -> tuple[HeadSpec, torch.Tensor, dic
         raise SpecwiseError(
             f"eagle:{directory}: {CONFIG} is not an EAGLE-3 speculators config (speculators_model_type)"
         )
-    layer = conf.get("transformer_layer_config") or {}
-    want = {
+    layer = conf.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise SpecwiseError(
+            f"eagle:{directory}: transformer_layer_config must be an object of the head's sizes, got {layer!r:.60}"
+        )
+    want: dict[str, object] = {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "vocab_size": cfg.vocab_size,
     }
-    wrong = {k: (layer.get(k), v) for k, v in want.items() if layer.get(k) != v}
+    # Where the head states them (speculators' heads do), these must be the target's too: the kernels run the head
+    # with the target's head size, RoPE and norm epsilon, and one decoder layer.
+    stated = {
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+    want.update({k: v for k, v in stated.items() if k in layer})
+
+    def differs(got: object, expected: object) -> bool:
+        if isinstance(expected, float):
+            return (
+                not isinstance(got, int | float)
+                or isinstance(got, bool)
+                or not math.isclose(got, expected, rel_tol=1e-6)
+            )
+        return got != expected or isinstance(got, bool)
+
+    wrong = {k: (layer.get(k), v) for k, v in want.items() if differs(layer.get(k), v)}
     if wrong:
         raise SpecwiseError(
             f"eagle:{directory} was made for another target: "
@@ -381,6 +404,8 @@ def check_target(spec: HeadSpec, target, directory: Path) -> None:
     want = spec.provenance.get("target_sha256")
     if not want:
         return  # a head from elsewhere (speculators, SpecForge): the shapes were checked, nothing more is known
+    if not isinstance(want, str):
+        raise SpecwiseError(f"eagle:{directory}: specwise.target_sha256 must be a hash (text), got {want!r:.60}")
     origin = target_origin(target)
     if want not in {origin, target.identity.source_sha256, target.identity.sha256}:
         raise SpecwiseError(

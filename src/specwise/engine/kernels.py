@@ -280,8 +280,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _build(cc: str, variant: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Compile into an owner-only directory, and record the library's digest beside it (checked before each
+    load: a library changed since it was built is built again, never loaded)."""
+    for d in (target.parent.parent, target.parent):
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -289,15 +297,28 @@ def _build(cc: str, variant: str, target: Path) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unsupported(f"building specwise's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+        os.chmod(tmp, 0o700)
+        sidecar = Path(tmp + ".sha256")
+        sidecar.write_text(_digest(Path(tmp)) + "\n")
+        os.chmod(sidecar, 0o600)
+        os.replace(sidecar, _sidecar(target))
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp + ".sha256"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
 
 
 def _open(path: Path, variant: str) -> ctypes.CDLL | None:
-    """The built library, or None when the file is not a loadable library of this ABI and variant (rebuild it)."""
+    """The built library, or None when the file is not a loadable library of this ABI and variant, or not the
+    file that was built (its digest differs from the one recorded at the build): then it is built again."""
     try:
+        if _sidecar(path).read_text().strip() != _digest(path):
+            return None
         lib = ctypes.CDLL(str(path))
         lib.sw_variant.restype = ctypes.c_char_p
         if lib.sw_abi() != ABI or lib.sw_variant().decode() != variant:

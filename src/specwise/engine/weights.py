@@ -231,10 +231,11 @@ def _load_native(
 def _native_weights(source: Path, directory: Path, cfg: ModelConfig, dtype: str, quantize: str | None) -> NativeWeights:
     """The weights packed in the precision asked for: a GGUF's own from the conversion cache, else quantised here."""
     if source.is_file():
-        types = set(json.loads((directory / "specwise.json").read_text()).get("tensor_types", []))
+        recorded = json.loads((directory / "specwise.json").read_text())
+        types = set(recorded.get("tensor_types", []))
         precision = _native_precision(True, dtype, quantize, types)
         if precision == "native":
-            weights = _cached_native(directory, cfg, lambda: _gguf_native(source, cfg))
+            weights = _cached_native(directory, cfg, lambda: _gguf_native(source, cfg), str(recorded.get("sha256")))
         else:
             weights = from_hf_state(cfg, _read_safetensors(dequantized_directory(source, directory)), precision)
     else:
@@ -247,9 +248,25 @@ def _gguf_native(source: Path, cfg: ModelConfig):
     return from_gguf(source, cfg)
 
 
-def _cached_native(directory: Path, cfg: ModelConfig, build):
+def packed_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, type, shape and bytes (tensors hashed side by side: hashlib releases the
+    GIL), so a packed file whose numbers changed is not taken for the packing of its GGUF."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> str:
+        t = tensors[name].contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        lines = list(pool.map(one, sorted(tensors)))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _cached_native(directory: Path, cfg: ModelConfig, build, source_sha256: str):
     """Packed weights from the conversion cache, packing (and saving) them the first time — or again, when the
-    cached file is not a well-formed packing of this model (damaged, or left by an older specwise)."""
+    cached file is not a well-formed packing of this model: damaged, left by an older specwise, packed from other
+    weights (the GGUF's hash it records) or changed since it was written (the digest of its tensors it records)."""
 
     path = directory / f"native-v{NATIVE_VERSION}.safetensors"
     if path.exists():
@@ -257,6 +274,10 @@ def _cached_native(directory: Path, cfg: ModelConfig, build):
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            if meta.get("source_sha256") != source_sha256:
+                raise SpecwiseError(f"packed from other weights ({str(meta.get('source_sha256'))[:12]}…)")
+            if meta.get("packed_sha256") != packed_digest(tensors):
+                raise SpecwiseError("its tensors differ from the digest recorded when it was written")
             cached = NativeWeights.from_state(cfg, tensors, meta)
             cached.check()
             return cached
@@ -264,6 +285,7 @@ def _cached_native(directory: Path, cfg: ModelConfig, build):
             print(f"specwise: {path} is not usable ({exc}); packing the weights again", file=sys.stderr)
     weights = build()
     tensors, meta = weights.state()
+    meta = {**meta, "source_sha256": source_sha256, "packed_sha256": packed_digest(tensors)}
     fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=directory)
     os.close(fd)
     try:
