@@ -255,7 +255,7 @@ def packed_digest(tensors: dict[str, torch.Tensor]) -> str:
 
     def one(name: str) -> str:
         t = tensors[name].contiguous()
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        data = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
 
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
