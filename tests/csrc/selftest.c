@@ -4,7 +4,12 @@
  * Random weights in every format (full int8 range, subnormal fp16 scales included) and random activations, seeded:
  * it checks that every GEMM row and every decoder row is bitwise the same whatever else is in the pass and however
  * many threads run (kernels.h's contract), and prints one FNV-1a hash per case — which must be the same on every
- * variant. Exit status 1 on any difference within the run. */
+ * variant. Exit status 1 on any difference within the run.
+ *
+ * `selftest fuzz N` runs N random calls of every entry point instead (built with AddressSanitizer and UBSan by the
+ * tests): shapes, counts, positions, slots, rows and layer ids in and out of range, declarations that contradict
+ * themselves. Every call must be refused exactly when its input is invalid, and nothing may touch memory it does
+ * not own (the sanitizers end the run on the first bad access). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,7 +258,126 @@ static void decoder_case(const char* name, int layer_fmt, int head_fmt, int act,
   printf("%s %016llx\n", name, (unsigned long long)fnv(one, sizeof one, 0xcbf29ce484222325ull));
 }
 
-int main(void) {
+/* --- fuzz: every entry point on random, often invalid, input ---------------------------------------------- */
+
+static int pick(int lo, int hi) { return lo + (int)(next() % (uint64_t)(hi - lo + 1)); } /* lo..hi */
+
+static void* own(size_t bytes) { return bytes ? malloc(bytes) : NULL; } /* exactly what a valid call may touch */
+
+static void refused_as_expected(int rc, int valid, const char* what, int i) {
+  if ((rc == 0) != valid) {
+    printf("DIFFERS fuzz %s #%d: returned %d for a%s input\n", what, i, rc, valid ? " valid" : "n invalid");
+    failures++;
+  }
+}
+
+/* A well-formed layer of a random format, then one declaration that contradicts its buffers or the format: the
+ * call must be refused without reading past what was allocated. */
+static void fuzz_gemm(int i) {
+  static const int formats[][2] = {{SW_F32, 0}, {SW_BF16, 0}, {SW_Q8, SW_SCALES_F16}, {SW_Q8, SW_SCALES_F32},
+                                   {SW_Q4, SW_SCALES_F16}, {SW_Q4, SW_SCALES_K}, {SW_Q5, SW_SCALES_F16},
+                                   {SW_Q5, SW_SCALES_K}, {SW_Q6, SW_SCALES_K6}};
+  const int f = pick(0, 8), fmt = formats[f][0], scales = formats[f][1];
+  const int k = scales >= SW_SCALES_K ? 256 * pick(1, 2) : 32 * pick(1, 9), n = pick(1, 70);
+  const int act = fmt >= SW_Q8 ? pick(0, 1) : 0;
+  sw_linear L = make_linear(fmt, n, k, scales, act, pick(0, 1)), part;
+  int valid = 1;
+  switch (pick(0, 9)) {
+    case 0: L.nblocks += pick(0, 1) ? 1 : -1; valid = 0; break;
+    case 1: L.fmt = pick(0, 1) ? -1 : 6; valid = 0; break;
+    case 2: if (fmt >= SW_Q8) { L.scales = fmt == SW_Q6 ? SW_SCALES_F16 : (pick(0, 1) ? SW_SCALES_K6 : 4); valid = 0; } break;
+    case 3: L.w = NULL; valid = 0; break;
+    case 4: if (fmt >= SW_Q8) { L.d = NULL; valid = 0; } break;
+    case 5: if (fmt >= SW_Q5) { L.h = NULL; valid = 0; } break;
+    case 6: L.n = pick(-2, 0); valid = 0; break;
+    case 7: /* a chain part with other inputs */
+      part = make_linear(SW_BF16, 8, k + 32, 0, 0, 0);
+      L.next = &part;
+      valid = 0;
+      break;
+    default: break; /* as made */
+  }
+  const int M = pick(-2, 40), ldx = k + pick(-1, 3), ldy = n + pick(-1, 2);
+  valid = valid && M >= 0 && ldx >= k && ldy >= n;
+  float* x = own(M > 0 && ldx > 0 ? (size_t)M * ldx * 4 : 0);
+  float* y = own(M > 0 && ldy > 0 ? (size_t)M * ldy * 4 : 0);
+  for (int j = 0; x && j < M * ldx; j++) x[j] = uniform();
+  for (int j = 0; y && j < M * ldy; j++) y[j] = 0.0f;
+  refused_as_expected(sw_gemm(&L, x, M, ldx, y, ldy, pick(0, 1), pick(-1, 3)), valid, "sw_gemm", i);
+  free(x);
+  free(y);
+}
+
+static void fuzz_quantize(int i) {
+  const int M = pick(-1, 12), K = pick(0, 1) ? 32 * pick(-1, 20) : pick(-5, 700), ldx = K + pick(-1, 2);
+  const int valid = M >= 1 && K >= 32 && K % 32 == 0 && K <= SW_MAX_INPUT && ldx >= K;
+  const size_t rows = valid ? (size_t)M : 0, KB = valid ? (size_t)K / 32 : 0;
+  float* x = own(rows * ldx * 4);
+  for (size_t j = 0; j < rows * ldx; j++) x[j] = 3.0f * uniform();
+  int8_t* q = own(rows * K);
+  float* d = own(rows * KB * 4);
+  float* s = own(rows * KB * 4);
+  int32_t* sum = own(rows * KB * 4);
+  int32_t* half_ = own(rows * KB * 4);
+  sw_quantize_rows(x, M, ldx, K, q, d, s, sum, half_); /* an invalid call writes nothing: its buffers are NULL */
+  (void)i;
+  free(x), free(q), free(d), free(s), free(sum), free(half_);
+}
+
+static void fuzz_forward(tiny* t, int i) {
+  const int M = pick(-2, 20), n_out = pick(-1, M > 0 ? M + 2 : 2), n_feat = pick(0, 3), n_frows = pick(0, 3);
+  int valid = M >= 1 && n_out >= 0 && n_out <= M;
+  const int m = M > 0 ? M : 0;
+  int64_t* tok = own((size_t)m * 8);
+  int64_t* pos = own((size_t)m * 8);
+  int32_t* slot = own((size_t)m * 4);
+  for (int j = 0; j < m; j++) {
+    const int bad = next() % 40 == 0;
+    tok[j] = bad ? (pick(0, 1) ? -1 : V + pick(0, 3)) : pick(0, V - 1);
+    pos[j] = next() % 40 == 0 ? (pick(0, 1) ? -1 : POS + pick(0, 3)) : pick(0, POS - 1);
+    slot[j] = next() % 40 == 0 ? (pick(0, 1) ? -1 : SLOTS) : pick(0, SLOTS - 1);
+    valid = valid && tok[j] >= 0 && tok[j] < V && pos[j] >= 0 && pos[j] < POS && slot[j] >= 0 && slot[j] < SLOTS;
+  }
+  const int no = n_out > 0 ? n_out : 0;
+  int32_t* rows = own((size_t)no * 4);
+  for (int r = 0; r < no; r++) {
+    rows[r] = next() % 20 == 0 ? (pick(0, 1) ? -1 : m) : pick(0, m > 0 ? m - 1 : 0);
+    valid = valid && rows[r] >= 0 && rows[r] < m;
+  }
+  int32_t* layers = own((size_t)n_feat * 4);
+  int32_t* frows = own((size_t)n_frows * 4);
+  for (int f = 0; f < n_feat; f++) {
+    layers[f] = next() % 10 == 0 ? (pick(0, 1) ? -1 : LAYERS + 1) : pick(0, LAYERS);
+    valid = valid && (n_frows == 0 || (layers[f] >= 0 && layers[f] <= LAYERS));
+  }
+  for (int r = 0; r < n_frows; r++) {
+    frows[r] = next() % 10 == 0 ? m : pick(0, m > 0 ? m - 1 : 0);
+    valid = valid && (n_feat == 0 || (frows[r] >= 0 && frows[r] < m));
+  }
+  float* logits = own((size_t)no * V * 4);
+  float* features = own((size_t)n_frows * n_feat * C * 4);
+  const int threads = pick(-1, 3);
+  float* scratch = own(m > 0 ? (size_t)sw_scratch_floats(&t->m, m, POS, threads) * 4 : 0);
+  const int rc = sw_forward_features(&t->m, &t->cache, M, tok, pos, slot, n_out, rows, logits, n_feat, layers,
+                                     n_frows, frows, features, scratch, threads);
+  refused_as_expected(rc, valid, "sw_forward_features", i);
+  free(tok), free(pos), free(slot), free(rows), free(layers), free(frows), free(logits), free(features), free(scratch);
+}
+
+static int fuzz(int iterations) {
+  tiny t = make_tiny(SW_Q4, SW_Q8, 1, 1);
+  tiny f = make_tiny(SW_Q5, SW_BF16, 0, 0);
+  for (int i = 0; i < iterations; i++) {
+    fuzz_gemm(i);
+    fuzz_quantize(i);
+    fuzz_forward(i % 2 ? &t : &f, i);
+  }
+  printf(failures ? "FAILED %d\n" : "ok\n", failures);
+  return failures != 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc == 3 && !strcmp(argv[1], "fuzz")) return fuzz(atoi(argv[2]));
   printf("variant %s\n", sw_variant_detail());
   gemm_case("gemm-f32", SW_F32, 0, 0);
   gemm_case("gemm-bf16", SW_BF16, 0, 0);
