@@ -388,6 +388,21 @@ def test_an_empty_pass_or_more_output_rows_than_tokens_is_refused_not_a_crash(ti
         assert "no tokens, or more output rows" in K.REFUSALS[rc]
 
 
+def test_the_helpers_check_their_arguments_before_c_reads_them():
+    """Issue 31 items 6 and 7: gemm's input width, quantize_rows' K, and a layer wider than the int8 path's stack
+    buffers (SW_MAX_INPUT: a draft head's qkv has 2·hidden inputs) are refused in Python, never handed to C."""
+    lin = K.pack_q8(*K.quantize_q8(torch.randn(32, 64)))
+    with pytest.raises(SpecwiseError, match="x must be \\(rows, 64\\)"):
+        K.gemm(lin, torch.randn(2, 96))
+    for bad in (torch.randn(2, 40), torch.randn(1, K.MAX_INPUT + 32), torch.randn(64)):
+        with pytest.raises(SpecwiseError, match="multiple of 32 up to"):
+            K.quantize_rows(bad)
+    wide = K.pack_q8(torch.zeros(32, K.MAX_INPUT + 32, dtype=torch.int8), torch.ones(32, (K.MAX_INPUT + 32) // 32))
+    with pytest.raises(SpecwiseError, match="not a shape the kernels take"):
+        wide.check("head.qkv")
+    assert K.gemm(lin, torch.empty(0, 64)).shape == (0, 32)  # an empty pass is empty, not SIGFPE
+
+
 def test_reduced_row_counts_still_need_k_multiple_of_32():
     with pytest.raises(SpecwiseError, match="multiple of 32"):
         K.pack_dense(torch.randn(8, 40))
