@@ -570,9 +570,10 @@ class NativeDecoder:
             )
         if M < 1:
             raise SpecwiseError("forward pass refused: a pass takes one token or more (got none)")
-        if out_rows is not None and (out_rows.dim() != 1 or not 0 < out_rows.shape[0] <= M):
+        if out_rows is not None and (out_rows.dim() != 1 or out_rows.shape[0] > M):
             raise SpecwiseError(
-                f"forward pass refused: 1..{M} output rows (one list) for {M} tokens, got shape {tuple(out_rows.shape)}"
+                f"forward pass refused: at most {M} output rows (one list) for {M} tokens, got shape "
+                f"{tuple(out_rows.shape)}"
             )
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
