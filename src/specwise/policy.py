@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX
+from specwise.specs import DEFAULT_POLICY_HIGH, K_MAX
 
 POLICIES = ("always", "never", "auto", "table")
 POLICY_VERSION = 1  # the policy file's format
@@ -22,7 +22,7 @@ class Policy:
     starts again once it falls to `low` or below — a two-way switch with hysteresis, so it does not flap."""
 
     mode: str = "always"
-    high: int = 4
+    high: int = DEFAULT_POLICY_HIGH
     low: int | None = None
     on: bool = True
     switches: int = 0  # times auto turned drafting off or back on

@@ -21,12 +21,15 @@ DEFAULT_K_MAX = 8  # adaptive k's ceiling (a fixed k may go up to K_MAX)
 DEFAULT_MAX_LEN = 2048  # context length in tokens when neither the flag nor the model says less
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
 DEFAULT_MAX_QUEUE = 64  # requests waiting beyond the running batch before the server answers 429
+DEFAULT_MAX_BATCH = 8  # sequences in the running batch
+DEFAULT_POLICY_HIGH = 4  # the auto policy stops drafting above this many running + waiting requests
+MODEL_CONTEXT_FALLBACK = 2048  # a model's context when its files state none
+HARNESS_MAX_LEN = 1536  # the in-process backend's context: room for the workloads' prompts and answers
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: a GGUF's own types, bf16 for Hugging Face weights
 QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weights on the CPU kernels
 # What the CPU kernels' 4- and 8-bit layers multiply: auto (int8: integer dot products, measured fastest on every
 # kernel variant, docs/benchmarks.md), int8, or float32 (exact to the weights: the reference).
 ACTIVATIONS = ("auto", "int8", "float32")
-DRAFTER_KINDS = ("ngram", "suffix", "model", "int8", "layerskip")
 EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
 VERIFY_METHODS = ("coupled", "rejection")  # how sampled drafts are verified (engine/verify.py)
 VERIFY_HELP = (

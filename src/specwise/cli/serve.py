@@ -8,8 +8,10 @@ import os
 from specwise.cli.common import drafter_arg, k_arg, precision_flags
 from specwise.models import MODEL_HELP
 from specwise.specs import (
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_POLICY_HIGH,
     DEFAULT_PREFILL_CHUNK,
     DRAFTER_HELP,
     K_MAX,
@@ -36,8 +38,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--policy-threshold",
-        default="4",
-        help="auto: HIGH[:LOW] — drafting stops above HIGH running+waiting requests, resumes at LOW (default 4:2)",
+        default=str(DEFAULT_POLICY_HIGH),
+        help="auto: HIGH[:LOW] — drafting stops above HIGH running+waiting requests, resumes at LOW (default "
+        f"{DEFAULT_POLICY_HIGH}, LOW half of it)",
     )
     p.add_argument(
         "--policy-from",
@@ -78,7 +81,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "(default $SPECWISE_ADMIN_KEY; off when unset)",
     )
     p.add_argument("--verify", default=VERIFY_METHODS[0], choices=VERIFY_METHODS, help=VERIFY_HELP)
-    p.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (default 8)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests in the running batch (default {DEFAULT_MAX_BATCH})",
+    )
     p.add_argument(
         "--max-queue",
         type=int,

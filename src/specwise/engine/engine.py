@@ -43,6 +43,7 @@ from specwise.engine.weights import LoadedModel
 from specwise.errors import SpecwiseError
 from specwise.specs import (
     DEFAULT_K_MAX,
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
     DEFAULT_PREFILL_CHUNK,
     K_MAX,
@@ -142,7 +143,7 @@ class Engine:
         target: LoadedModel,
         drafter: str | Drafter | None = None,
         k: int | str = 4,
-        max_batch: int = 8,
+        max_batch: int = DEFAULT_MAX_BATCH,
         max_len: int | None = None,
         k_max: int = DEFAULT_K_MAX,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specwise.errors import SpecwiseError
+from specwise.specs import MODEL_CONTEXT_FALLBACK
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 NAMES = {  # GGUF block tensor → Hugging Face module name
@@ -104,7 +105,7 @@ def hf_config(reader, path: Path) -> dict:
         "head_dim": _count(reader, path, f"{arch}.attention.key_length", hidden // n_head or None),
         "rms_norm_eps": _number(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": _number(reader, path, f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": _count(reader, path, f"{arch}.context_length", 2048),
+        "max_position_embeddings": _count(reader, path, f"{arch}.context_length", MODEL_CONTEXT_FALLBACK),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),

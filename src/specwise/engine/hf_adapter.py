@@ -15,6 +15,7 @@ from torch import nn
 
 from specwise.engine.model import padded_forward_tokens
 from specwise.errors import SpecwiseError
+from specwise.specs import MODEL_CONTEXT_FALLBACK
 
 
 class SlotCaches:
@@ -42,7 +43,7 @@ class HFAdapter(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.config = hf_model.config
-        self.max_len = getattr(hf_model.config, "max_position_embeddings", None) or 2048
+        self.max_len = getattr(hf_model.config, "max_position_embeddings", None) or MODEL_CONTEXT_FALLBACK
 
     @classmethod
     def load(cls, directory: Path, dtype: torch.dtype, device: torch.device) -> HFAdapter:

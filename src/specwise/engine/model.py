@@ -17,6 +17,7 @@ from torch import nn
 
 from specwise.engine.cache import KVCache, rows_index
 from specwise.errors import SpecwiseError
+from specwise.specs import MODEL_CONTEXT_FALLBACK
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 MAX_DIM = 1 << 20  # the largest vocabulary, width or layer count a config may give (anything above is a broken file)
@@ -58,7 +59,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = MODEL_CONTEXT_FALLBACK
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q, k, v
     o_bias: bool = False  # Llama's attention_bias also puts one on o_proj
@@ -112,7 +113,7 @@ class ModelConfig:
             rms_norm_eps=_positive(cfg, "rms_norm_eps", 1e-5, allow_zero=True),
             rope_theta=_positive({"rope_theta": theta}, "rope_theta", 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=_whole(cfg, "max_position_embeddings", 2048, MAX_POSITIONS),
+            max_position_embeddings=_whole(cfg, "max_position_embeddings", MODEL_CONTEXT_FALLBACK, MAX_POSITIONS),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen or attention_bias,
             o_bias=attention_bias and not qwen,

@@ -14,6 +14,7 @@ from specwise.harness.config import Config
 from specwise.harness.facts import hardware
 from specwise.harness.load import Load
 from specwise.harness.store import Record
+from specwise.specs import DEFAULT_MAX_BATCH, HARNESS_MAX_LEN
 
 
 class EngineBackend:
@@ -26,8 +27,8 @@ class EngineBackend:
         model: str | None,
         configs: list[Config],
         device: str = "cpu",
-        max_batch: int = 8,
-        max_len: int = 1536,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_len: int = HARNESS_MAX_LEN,
         temperature: float = 0.0,
         dtype: str = "auto",
         quantize: str | None = None,
