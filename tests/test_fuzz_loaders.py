@@ -6,6 +6,7 @@ no other exception, and no crash — a worker that dies is restarted after the c
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ MIXED = {  # every kind the packer takes: 4- and 8-bit natively, the rest dequan
 }
 
 
-def fuzz(base: Path, work: Path, seed: int, cases: int, *extra: str) -> dict[int, str]:
+def fuzz(base: Path, work: Path, seed: int, cases: int, *extra: str, env: dict | None = None) -> dict[int, str]:
     """Case index → its result line; a case the worker died on is 'CRASH (signal)'."""
     results: dict[int, str] = {}
     first = 0
@@ -37,6 +38,7 @@ def fuzz(base: Path, work: Path, seed: int, cases: int, *extra: str) -> dict[int
             capture_output=True,
             text=True,
             timeout=900,
+            env=env,
         )
         started = None
         for line in done.stdout.splitlines():
@@ -67,6 +69,27 @@ def test_hundreds_of_mutated_gguf_files_load_or_are_refused_never_crash(tmp_path
     check(results, 400)
     loaded = sum(r.startswith("ok") for r in results.values())
     assert 10 <= loaded <= 390, loaded  # the mutations reach both outcomes: neither all refused nor all harmless
+
+
+def test_mutated_files_through_kernels_built_with_asan_and_ubsan(tmp_path):
+    """Issue 31 item 8: the same corpus (fewer cases) with the kernel library built with AddressSanitizer and UBSan
+    (SPECWISE_KERNEL_CFLAGS) and the ASan runtime preloaded into the worker: a bad access or undefined behaviour
+    in C ends the worker, which the harness reports as a crash."""
+    libasan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    assert Path(libasan).is_file(), "gcc's libasan is needed (Debian: libasan8, with gcc)"
+    env = {
+        **os.environ,
+        "LD_PRELOAD": libasan,
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1",
+        "SPECWISE_KERNEL_CFLAGS": "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer",
+        "SPECWISE_CACHE": str(tmp_path / "cache"),
+    }
+    base = tmp_path / "mixed.gguf"
+    write_gguf(base, MIXED)
+    results = fuzz(base, tmp_path / "work.gguf", 23, 60, env=env)
+    check(results, 60)
+    assert sum(r.startswith("ok") for r in results.values()) >= 2  # some cases reach the kernels
 
 
 @pytest.mark.embedded

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -255,6 +256,12 @@ def choose(requested: str | None = None) -> str:
     return name
 
 
+def extra_flags() -> list[str]:
+    """$SPECWISE_KERNEL_CFLAGS: compiler flags appended to every variant's (the tests build the library with
+    AddressSanitizer and UBSan this way); part of the build's cache key."""
+    return shlex.split(os.environ.get("SPECWISE_KERNEL_CFLAGS", ""))
+
+
 def flags(variant: str, features: frozenset[str] | None = None) -> list[str]:
     """Compiler flags of a variant's library on this CPU (the widening extensions it has are switched on)."""
     features = cpu_features() if features is None else features
@@ -293,7 +300,7 @@ def _build(cc: str, variant: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *COMMON_FLAGS, *flags(variant), *map(str, sources(variant)), "-o", tmp, "-lm"]
+        cmd = [cc, *COMMON_FLAGS, *flags(variant), *extra_flags(), *map(str, sources(variant)), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unsupported(f"building specwise's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
@@ -347,7 +354,7 @@ def library(variant: str | None = None) -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
         texts = [p.read_text() for p in [CSRC / "kernels.h", *sources(variant)]]
         key = hashlib.sha256(
-            "\n".join([*texts, " ".join(COMMON_FLAGS + flags(variant)), *version, str(ABI)]).encode()
+            "\n".join([*texts, " ".join(COMMON_FLAGS + flags(variant) + extra_flags()), *version, str(ABI)]).encode()
         ).hexdigest()[:20]
         target = cache_root() / "kernels" / key / f"libspecwise-{variant}.so"
         lib = _open(target, variant) if target.exists() else None

@@ -192,6 +192,13 @@ static inline vf vmaxv(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256
 #else
 static inline vf vmaxv(vf a, vf b) { return vsel(a > b, a, b); }
 #endif
+/* NaN → 0 and beyond ±127 → ±127; a finite x·id is within ±127 already, so its bits are unchanged. What reaches
+ * vrint is then always in range: converting NaN or ±inf is undefined in C (UBSan found it on a damaged file). */
+static inline vf vclamp127(vf v) {
+  v = vsel(v == v, v, vsplat(0.0f));
+  v = vsel(v > 127.0f, vsplat(127.0f), v);
+  return vsel(v < -127.0f, vsplat(-127.0f), v);
+}
 
 /* exp over 16 lanes (Cephes' expf polynomial, Horner with fused steps): about 1 ulp; below −87 it is exactly 0
  * (no denormals, which cost a hundred cycles an operation on x86). */
@@ -397,8 +404,8 @@ static void quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, floa
     }
     for (b = 0; b < KB; b++) {
       vi qi[32 / VW], total = {0}, first = {0};
-      for (int i = 0; i < 32 / VW; i++) { /* |x·id| ≤ 127 (x finite), so no clamp is needed */
-        qi[i] = vrint(LD(xr + b * 32 + i * VW) * inv[b]);
+      for (int i = 0; i < 32 / VW; i++) { /* |x·id| ≤ 127 for finite x; non-finite rows are clamped */
+        qi[i] = vrint(vclamp127(LD(xr + b * 32 + i * VW) * inv[b]));
         total += qi[i];
         if (i < 16 / VW) first += qi[i];
       }

@@ -29,8 +29,8 @@
  *
  *     int8 activations (Q8, Q4, Q5 and Q6 weights; llama.cpp's scheme, its own precision): each row is quantised
  *     per 32-block b of its inputs (sw_quantize_rows: amax = max|x|, dx = amax / 127, id = dx ? 1 / dx : 0,
- *     q = rint(x · id), ties to even, within ±127 for finite x; sx = dx · Σq; Σq of the block's first 16 inputs
- *     kept too), then
+ *     q = rint(x · id), ties to even, within ±127 for finite x (NaN gives 0, ±inf ±127); sx = dx · Σq; Σq of the
+ *     block's first 16 inputs kept too), then
  *         acc = 0;  for b = 0 .. K/32-1:
  *             Q8, Q4, Q5:
  *               isum = Σ_k qw[c][k] · qx[r][k] over the block          (exact, in integers: any order)
