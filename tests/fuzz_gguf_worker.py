@@ -27,6 +27,7 @@ from specwise.engine.model import ModelConfig
 from specwise.engine.native import NativeDecoder, from_gguf
 from specwise.errors import SpecwiseError
 
+KERNELS_MISSING = ("building specwise's CPU kernels failed", "specwise's CPU kernels need a C compiler")
 BOUNDARY = [0, 1, 2, 3, 31, 32, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1]
 
 
@@ -95,6 +96,8 @@ def main() -> None:
             status = "ok"
         except SpecwiseError as exc:
             status = f"refused {str(exc)[:160]!r}"
+            if str(exc).startswith(KERNELS_MISSING):  # no library to run on: the harness's fault, not a refusal
+                status = f"BUG the kernels are unavailable: {str(exc)[-300:]!r}"
         except Exception as exc:
             status = f"BUG {type(exc).__name__}: {exc} | {traceback.format_exc(limit=3)!r}"
         print(f"RESULT {i} {status}", flush=True)
