@@ -143,7 +143,12 @@ ALLOWED = {
     "shared": set(),
     "engine": set(),
     "harness": {"engine"},  # only the in-process backend, lazily: the import test above keeps torch out
-    "monitor": {"specwise.harness.results", "specwise.harness.provenance", "specwise.harness.statistics"},  # runs, KS
+    "monitor": {  # run files, the KS test, the machine's background
+        "specwise.harness.results",
+        "specwise.harness.provenance",
+        "specwise.harness.statistics",
+        "specwise.harness.background",
+    },
     "server": {"engine", "monitor", "specwise.harness.analyze"},  # --policy-from RUN.db
     "cli": {"engine", "harness", "monitor", "server"},
 }

@@ -177,6 +177,9 @@ class TwoSystems:
     def close(self):
         pass
 
+    def observed(self):
+        return [], False
+
 
 def test_the_runner_refuses_configurations_whose_systems_differ(tmp_path):
     from specwise.errors import SpecwiseError

@@ -30,6 +30,9 @@ QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weig
 # What the CPU kernels' 4- and 8-bit layers multiply: auto (int8: integer dot products, measured fastest on every
 # kernel variant, docs/benchmarks.md), int8, or float32 (exact to the weights: the reference).
 ACTIVATIONS = ("auto", "int8", "float32")
+BUSY_SHARE = 0.10  # a phase whose background took more than this share of the cores is flagged as contended
+QUIET_MACHINE_MODES = ("ignore", "wait", "fail")  # evaluate --quiet-machine: the first is the default
+QUIET_WAIT_S = 120.0  # --quiet-machine wait: the longest wait for a quiet machine before one phase
 EXPORT_FORMATS = ("vllm", "sglang", "llamacpp", "specwise")  # specwise export-config --format
 VERIFY_METHODS = ("coupled", "rejection")  # how sampled drafts are verified (engine/verify.py)
 VERIFY_HELP = (

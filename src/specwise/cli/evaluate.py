@@ -7,7 +7,7 @@ import os
 
 from specwise.cli.common import k_list_arg, precision_flags
 from specwise.models import MODEL_HELP
-from specwise.specs import VERIFY_HELP, VERIFY_METHODS
+from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES, QUIET_WAIT_S, VERIFY_HELP, VERIFY_METHODS
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +57,25 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--retry-errors",
         action="store_true",
         help="with --resume: also run again the requests whose record is an error (the new record replaces it)",
+    )
+    p.add_argument(
+        "--remeasure-contended",
+        action="store_true",
+        help="with --resume: measure again the phases recorded on a busy machine (their records are replaced)",
+    )
+    p.add_argument(
+        "--quiet-machine",
+        choices=QUIET_MACHINE_MODES,
+        default=QUIET_MACHINE_MODES[0],
+        help="before each phase: ignore (record the background and flag contended cells; the default), wait (up "
+        f"to {QUIET_WAIT_S:.0f} s) for the background to drop, or fail (exit 2) on a busy machine",
+    )
+    p.add_argument(
+        "--busy-share",
+        type=float,
+        default=BUSY_SHARE,
+        help=f"the share of the cores other processes may take before a phase counts as contended "
+        f"(default {BUSY_SHARE:g})",
     )
     p.add_argument("--device", default="cpu")
     precision_flags(p)

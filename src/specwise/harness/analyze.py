@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.harness.background import per_record
 from specwise.harness.load import Load
 from specwise.harness.results import (
     Analysis,
@@ -126,6 +127,14 @@ def analyze(run: Run) -> Analysis:
         if exact
         else []
     )
+    backgrounds = per_record(run.backgrounds)
+
+    def behind(records: list[Record]) -> float | None:
+        """The largest background share of the cores over the phases that measured `records`, where recorded."""
+        found = [b for r in records if (b := backgrounds.get(r.key)) is not None]
+        local = [b.share for b in found if b.observed == "local"]
+        return max(local) if local else None
+
     comparisons, verdicts = [], {}
     for s in specs:
         cells_by_kind: dict[str, list[Cell]] = defaultdict(list)
@@ -143,6 +152,8 @@ def analyze(run: Run) -> Analysis:
                 )
                 if comp is None:
                     continue
+                comp.background = behind(by.get((baseline, load.name, g), []) + by.get((s, load.name, g), []))
+                comp.busy = comp.background is not None and comp.background > run.busy_share
                 comparisons.append(comp)
                 e = comp.e2e_speedup
                 cells_by_kind[load.kind].append(
@@ -163,6 +174,8 @@ def analyze(run: Run) -> Analysis:
                         stall_ratio=(sr.value, sr.lo, sr.hi) if (sr := comp.stall_ratio) else None,
                         stall_spec=comp.stall_spec,
                         outputs="greedy" if comp.evidence == GREEDY_EVIDENCE else "seeded",
+                        background=comp.background,
+                        busy=comp.busy,
                     )
                 )
         verdicts[s] = {kind: decide(cells, load_name=load_name(kind)) for kind, cells in cells_by_kind.items()}

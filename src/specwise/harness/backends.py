@@ -69,6 +69,11 @@ class Backend(Protocol):
         """Release what the backend holds (servers it launched, connections)."""
         ...
 
+    def observed(self) -> tuple[list[int], bool]:
+        """(processes besides this one and its descendants that do the measured work, whether that work runs on
+        another machine): what the background load is told apart from."""
+        ...
+
     def facts(self, config: str) -> dict | None:
         """What this configuration's own system reports about itself — target, server, hardware — taken from that
         configuration (its engine, its launched server); None until it is known (a server not yet launched)."""

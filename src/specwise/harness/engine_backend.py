@@ -137,6 +137,10 @@ class EngineBackend:
     def close(self) -> None:
         """Nothing to release: the engines go with the backend."""
 
+    def observed(self) -> tuple[list[int], bool]:
+        """The engines run in this process (their kernel threads too)."""
+        return [], False
+
 
 def _record(
     config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list, result, verify: str

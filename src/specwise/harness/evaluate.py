@@ -28,7 +28,7 @@ from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
-from specwise.specs import VERIFY_METHODS, check_drafter_spec, check_verify, parse_k
+from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES, VERIFY_METHODS, check_drafter_spec, check_verify, parse_k
 
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request", "verify"}
 
@@ -210,6 +210,11 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
     if getattr(args, "retry_errors", False) and not args.resume:
         raise SpecwiseError("--retry-errors needs --resume: it re-runs the failed requests of the run in --out")
+    if getattr(args, "remeasure_contended", False) and not args.resume:
+        raise SpecwiseError("--remeasure-contended needs --resume: it re-runs the busy phases of the run in --out")
+    busy_share = getattr(args, "busy_share", BUSY_SHARE)
+    if not 0 < busy_share < 1:
+        raise SpecwiseError(f"--busy-share {busy_share} is not allowed: give a share of the cores between 0 and 1")
     other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
     if args.endpoint and other_precision:
         raise SpecwiseError(
@@ -309,6 +314,9 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             resume=args.resume,
             show_progress=not args.no_progress,
             retry_errors=getattr(args, "retry_errors", False),
+            quiet=getattr(args, "quiet_machine", QUIET_MACHINE_MODES[0]),
+            busy_share=busy_share,
+            remeasure_contended=getattr(args, "remeasure_contended", False),
         )
     except KeyboardInterrupt:
         print(

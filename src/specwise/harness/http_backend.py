@@ -32,6 +32,7 @@ import httpx
 from specwise.errors import SpecwiseError
 from specwise.harness import commands
 from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
+from specwise.harness.background import listening_pid
 from specwise.harness.config import Config, redact
 from specwise.harness.facts import check_comparable, hardware
 from specwise.harness.load import Load
@@ -266,6 +267,17 @@ class HTTPBackend:
                 target.update(local_weights(path))
         return {"target": target, "server": server, "hardware": {**hardware(), "measured_from": "client"}}
 
+    def observed(self) -> tuple[list[int], bool]:
+        """Launched servers are this process's descendants; an endpoint on this machine started by someone else is
+        the process listening on its port (if this user can see it); any other endpoint: only the client side."""
+        if self._remote():
+            return [], True
+        if self.launching:
+            return [], False
+        url = httpx.URL(self.base)
+        pid = listening_pid(url.port or (443 if url.scheme == "https" else 80))
+        return ([pid], False) if pid is not None else ([], True)
+
     def _remote(self) -> bool:
         """Whether the endpoint is on another machine (a path it names is then not a path here)."""
         host = httpx.URL(self.base).host
@@ -476,25 +488,13 @@ def _reaper(pgid: int) -> subprocess.Popen | None:
 
 def _listener(port: int) -> str | None:
     """Which process listens on TCP `port` ("pid 123: llama-server -m …"), from /proc, where this user can see it."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                parts = line.split()
-                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(parts[9])
-    if not inodes:
+    pid = listening_pid(port)
+    if pid is None:
         return None
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                    return f"pid {proc.name}: {redact(cmd[:160])}"
-    return None
+    with contextlib.suppress(OSError):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"pid {pid}: {redact(cmd[:160])}"
+    return f"pid {pid}"
 
 
 def _lines(r: httpx.Response, deadline: float, limit: float):

@@ -19,7 +19,7 @@ from specwise.harness.results import Analysis, Run
 from specwise.harness.server_reports import counts_from_counters
 from specwise.harness.verdict import Clause, load_name
 
-__all__ = ["console_summary", "html_report", "plots", "to_csv", "to_json"]
+__all__ = ["background_line", "console_summary", "html_report", "plots", "to_csv", "to_json"]
 
 
 def _best_k_lines(a: Analysis) -> list[str]:
@@ -51,6 +51,36 @@ def _fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def background_line(run: Run) -> str:
+    """One line on what else ran on the machine while the run measured (empty for a run that recorded nothing)."""
+    phases = run.backgrounds
+    if not phases:
+        return ""
+    local = [p for p in phases if p.background.observed == "local"]
+    if not local:
+        return (
+            f"background: client side only ({len(phases)} phases; the endpoint's machine was not observed) — at most "
+            f"{max(p.background.share for p in phases):.0%} of this client's cores"
+        )
+    busy = [p for p in local if p.background.busy(run.busy_share)]
+    worst = max(local, key=lambda p: p.background.share)
+    cpus = worst.background.cpus
+    if not busy:
+        return (
+            f"background: quiet — at most {worst.background.share:.0%} of {cpus} cores over {len(local)} phases "
+            f"(contended above {run.busy_share:.0%})"
+        )
+    return (
+        f"background: BUSY — {len(busy)} of {len(local)} phases above {run.busy_share:.0%} of {cpus} cores, the worst "
+        f"{worst.config} at {worst.load}: {worst.background.text()}; cells marked * (re-measure: evaluate --resume "
+        "--remeasure-contended)"
+    )
+
+
+def _bg(share: float | None, busy: bool) -> str:
+    return "-" if share is None else f"{share:.0%}{'*' if busy else ''}"
+
+
 def console_summary(run: Run) -> str:
     a = run.analysed
     lines = []
@@ -69,17 +99,19 @@ def console_summary(run: Run) -> str:
     servers = {describe(f.server) for f in prov.facts.values() if f.server}
     if servers:
         lines.append(f"server {'; '.join(sorted(servers))}")
+    if bg := background_line(run):
+        lines.append(bg)
     lines.append("")
     lines.append(
         f"{'config':>22} {'load':>14} {'group':>12} {'n':>3} {'E2E speedup [95% CI]':>24} "
-        f"{'decode ×':>8} {'valid b→s':>11} {'mismatch':>8}"
+        f"{'decode ×':>8} {'valid b→s':>11} {'mismatch':>8} {'bg':>5}"
     )
     for c in a.comparisons:
         e, d = c.e2e_speedup, c.decode_speedup
         lines.append(
             f"{c.config:>22} {c.load:>14} {c.group:>12} {c.n:>3} "
             f"{e.value:>8.2f}x [{e.lo:.2f}–{e.hi:.2f}]    {_fmt(d and d.value, '.2f'):>8} "
-            f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8}"
+            f"{c.validation_base:>4.0%}→{c.validation_spec:<4.0%} {len(c.mismatches):>8} {_bg(c.background, c.busy):>5}"
         )
     evidence = sorted({c.evidence for c in a.comparisons if c.evidence})
     if evidence:
@@ -283,9 +315,10 @@ def html_report(run: Run) -> str:
         "valid base",
         "valid spec",
         "mismatches",
+        "background",
     ]
     rows = "".join(
-        "<tr>"
+        ('<tr class="busy">' if c.busy else "<tr>")
         + "".join(
             f"<td>{escape(str(x))}</td>"
             for x in (
@@ -299,11 +332,13 @@ def html_report(run: Run) -> str:
                 f"{c.validation_base:.0%}",
                 f"{c.validation_spec:.0%}",
                 len(c.mismatches),
+                _bg(c.background, c.busy),
             )
         )
         + "</tr>"
         for c in a.comparisons
     )
+    bg_line = f'<p class="background">{escape(text)}</p>' if (text := background_line(run)) else ""
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
     note = f'<p class="unreported">{escape(text)}</p>' if (text := _unreported_note(run)) else ""
     provenance = escape(
@@ -317,12 +352,13 @@ figure{{display:inline-block;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
 table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
 .verdict{{border-left:6px solid #999;padding:0.2em 1em;margin:1em 0}}.adopt{{border-color:#59a14f}}
 .conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}.inconclusive{{border-color:#bab0ac}}
-li.bad{{color:#b00}}li.neutral{{color:#666}}
+li.bad{{color:#b00}}li.neutral{{color:#666}}tr.busy td{{background:#fdf0d5}}
+p.background{{font-size:14px}}
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
 configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
-{verdicts}{determinism}{best_k}<h2>Plots</h2>{note}{figs}<h2>Paired comparisons</h2>{table}
+{bg_line}{verdicts}{determinism}{best_k}<h2>Plots</h2>{note}{figs}<h2>Paired comparisons</h2>{table}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 
@@ -333,6 +369,7 @@ def to_json(run: Run) -> str:
             "provenance": run.provenance.raw,
             "fingerprint": run.fingerprint,
             "analysis": run.analysed.to_dict(),
+            "background": {"busy_share": run.busy_share, "phases": [p.to_dict() for p in run.backgrounds]},
             "records": [asdict(r) for r in run.records],
         },
         indent=2,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
+from specwise.harness.background import PhaseBackground
 from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
 from specwise.harness.provenance import Provenance
@@ -19,6 +20,7 @@ from specwise.harness.server_reports import CounterDelta
 from specwise.harness.statistics import Interval, Summary
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Verdict
+from specwise.specs import BUSY_SHARE
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class Comparison:
     stall_ratio: Interval | None = None  # speculative / baseline longest stall per request, paired, with its CI
     stall_spec: float | None = None  # median longest stall of the speculative streams, seconds
     evidence: str = ""  # what the losslessness audit compared: greedy or seeded tokens, or length distributions
+    background: float | None = None  # the largest background share behind these pairs (either configuration)
+    busy: bool = False  # … above the run's threshold: measured on a busy machine
 
 
 @dataclass
@@ -220,6 +224,8 @@ class Run:
     records: list[Record]
     phase_seconds: dict[str, float]
     server_counters: dict[str, list[CounterDelta]]
+    backgrounds: list[PhaseBackground] = field(default_factory=list)  # per phase, in measuring order
+    busy_share: float = BUSY_SHARE  # the threshold this run flags contended phases by
     stored_verdicts: dict[str, dict[str, Verdict]] = field(default_factory=dict)
     analysis: Analysis | None = None
 
@@ -250,6 +256,8 @@ def read_run(path: str | Path) -> Run:
             store.records(),
             store.get_meta("phase_seconds") or {},
             {k: [CounterDelta.read(d) for d in v] for k, v in (store.get_meta("server_counters") or {}).items()},
+            [PhaseBackground.read(d) for d in store.get_meta("background") or []],
+            float(store.get_meta("busy_share") or BUSY_SHARE),
             verdicts,
         )
     finally:

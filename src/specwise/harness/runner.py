@@ -18,12 +18,14 @@ from tqdm import tqdm
 from specwise import __version__
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import Backend, Request
+from specwise.harness.background import PhaseBackground, QuietMachine, Sampler
 from specwise.harness.config import Config
 from specwise.harness.facts import check_comparable
 from specwise.harness.load import Load
 from specwise.harness.store import Record, Store
 from specwise.harness.validate import run_validators
 from specwise.harness.workload import Task, Workload
+from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES
 
 
 @dataclass
@@ -100,11 +102,36 @@ def run(
     show_progress: bool = True,
     chunk: int | None = None,
     retry_errors: bool = False,
+    quiet: str = QUIET_MACHINE_MODES[0],
+    busy_share: float = BUSY_SHARE,
+    remeasure_contended: bool = False,
 ) -> None:
     """Measure every (configuration, load, task, repeat) not yet in the store; with `retry_errors` also those whose
-    record is an error (the new record replaces it)."""
+    record is an error (the new record replaces it). Each phase's background load is recorded beside it; `quiet`
+    (--quiet-machine) waits for a quiet machine before a phase, refuses a busy one, or only records; with
+    `remeasure_contended` the phases recorded as busy are dropped and measured again."""
     check_store(plan, store, resume)
     meta = plan.to_meta()
+    roots, remote = backend.observed()
+    sampler = Sampler(roots, remote)
+    guard = QuietMachine(quiet, sampler, busy_share)
+    backgrounds = [PhaseBackground.read(d) for d in store.get_meta("background") or []]
+    phases = store.get_meta("phase_seconds") or {}
+    if remeasure_contended:
+        stale = [p for p in backgrounds if p.background.busy(busy_share)]
+        store.delete({key for p in stale for key in p.record_keys()})
+        for p in stale:
+            key = f"{p.config}|{p.load}"
+            phases[key] = max(0.0, phases.get(key, 0.0) - p.phase_seconds)
+        backgrounds = [p for p in backgrounds if p not in stale]
+        store.set_meta("background", [p.to_dict() for p in backgrounds])
+        store.set_meta("phase_seconds", phases)
+        print(
+            f"--remeasure-contended: {len(stale)} busy phase(s) dropped ({sum(len(p.tasks) for p in stale)} "
+            "requests), measuring them again",
+            file=sys.stderr,
+        )
+    store.set_meta("busy_share", busy_share)
     done = store.done_keys(retry_errors)
     info = backend.info()
     # Prompts, output limits and sampling are one plan's for every configuration; what can differ is each
@@ -115,7 +142,6 @@ def run(
     store.set_meta("fingerprint", plan.fingerprint())
     store.set_meta("provenance", {**info, "specwise_version": __version__})
     store.set_meta("verdicts", None)  # stored by evaluate once the run is complete and analysed
-    phases = store.get_meta("phase_seconds") or {}
     tasks = {t.id: t for t in plan.workload.tasks}
     todo = [
         (c, ld, t, r)
@@ -162,7 +188,14 @@ def run(
                         continue
                     if bar is not None:
                         bar.set_description(f"{c.name} {load.name}")
+                    guard.before_phase(f"{c.name} at {load.name}")
+                    before = sampler.snapshot()
                     phase = backend.run(c.name, load, reqs, on_record, bar.update if bar is not None else None)
+                    bg = sampler.between(before, sampler.snapshot())
+                    backgrounds.append(
+                        PhaseBackground(c.name, load.name, rep, [r.task_id for r in reqs], phase.seconds, bg)
+                    )
+                    store.set_meta("background", [p.to_dict() for p in backgrounds])
                     key = f"{c.name}|{load.name}"
                     phases[key] = phases.get(key, 0.0) + phase.seconds
                     store.set_meta("phase_seconds", phases)
@@ -171,6 +204,8 @@ def run(
                         store.set_meta("server_counters", counters)
     if bar is not None:
         bar.close()
+    if guard.waited:
+        print(f"--quiet-machine wait: waited {guard.waited:.0f} s in all for a quiet machine", file=sys.stderr)
     # A launched server reports its target only once it runs: record what the measured servers said.
     store.set_meta("provenance", {**backend.info(), "specwise_version": __version__, "facts": _facts(backend, plan)})
 

@@ -137,6 +137,13 @@ class Store:
                 f"INSERT OR REPLACE INTO requests ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
             )
 
+    def delete(self, keys: set[tuple[str, str, str, int]]) -> None:
+        """Drop these (config, load, task, repeat) records, so a resumed run measures them again."""
+        with self.db:
+            self.db.executemany(
+                "DELETE FROM requests WHERE config = ? AND load = ? AND task_id = ? AND repeat = ?", sorted(keys)
+            )
+
     def done_keys(self, retry_errors: bool = False) -> set[tuple[str, str, str, int]]:
         """(config, load, task, repeat) of the stored records; with `retry_errors`, of the ones that did not fail."""
         where = " WHERE error IS NULL" if retry_errors else ""

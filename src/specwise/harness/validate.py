@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import jsonschema
 import referencing
@@ -162,8 +162,13 @@ _NO_RETRIEVAL: referencing.Registry = referencing.Registry()  # no `retrieve`: a
 
 def _schema_validator(schema: dict) -> jsonschema.protocols.Validator:
     """The schema's validator with its patterns under the time limit and a registry that never fetches."""
-    cls = jsonschema.validators.extend(jsonschema.validators.validator_for(schema), _TIMED)
-    return cls(schema, registry=_NO_RETRIEVAL)
+    return _timed_class(jsonschema.validators.validator_for(schema))(schema, registry=_NO_RETRIEVAL)
+
+
+@cache
+def _timed_class(base: type) -> type:
+    """`base` (one per draft of JSON Schema) with the timed keywords: built once, not per output checked."""
+    return jsonschema.validators.extend(base, _TIMED)
 
 
 def _outside_refs(node: object) -> list[str]:

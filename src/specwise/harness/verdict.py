@@ -45,6 +45,8 @@ class Cell:
     outputs: str = "greedy"  # which outputs `mismatches` counts: "greedy", or "seeded" (coupled verification)
     stall_ratio: tuple[float, float, float] | None = None  # speculative / baseline longest stall: (value, lo, hi)
     stall_spec: float | None = None  # the speculative streams' median longest stall, seconds
+    background: float | None = None  # the largest background share of the cores over the phases behind the cell
+    busy: bool = False  # … above the run's threshold: the cell was measured on a busy machine
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class Verdict:
     groups: list[str] = field(default_factory=list)
     clauses: list[Clause] = field(default_factory=list)
     everywhere: bool = False  # conditional on groups only: those groups win at every load measured
+    thresholds: dict[str, float] = field(default_factory=dict)  # each winning group's own threshold
+    top_load: float | None = None  # the highest load measured
+    busy: list[str] = field(default_factory=list)  # the cells ("group @ load") measured on a busy machine
+    cells: int = 0  # cells judged
+    busy_max: float | None = None  # the largest background share behind a busy cell
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,10 +80,18 @@ class Verdict:
             list(d.get("groups") or []),
             [Clause(c["ok"], c["text"], bool(c.get("neutral"))) for c in d.get("clauses") or []],
             bool(d.get("everywhere")),
+            {str(g): float(t) for g, t in (d.get("thresholds") or {}).items()},
+            d.get("top_load"),
+            list(d.get("busy") or []),
+            int(d.get("cells") or 0),
+            d.get("busy_max"),
         )
 
     def headline(self, load_name: str = "load") -> str:
-        """One line saying what to do."""
+        """One line saying what to do (and, when it rests on contended cells, that the machine was busy)."""
+        return self._decision_line(load_name) + self._busy_line()
+
+    def _decision_line(self, load_name: str) -> str:
         if self.decision == ADOPT:
             return "ADOPT — speculation pays off in every group at every load measured"
         if self.decision == CONDITIONAL:
@@ -86,12 +101,29 @@ class Verdict:
                     f"CONDITIONAL — adopt for {groups} (wins at every load measured, up to {load_name} "
                     f"{self.threshold:g}); no reliable gain shown for the other groups"
                 )
+            levels = sorted(set(self.thresholds.values()))
+            if len(levels) > 1:  # each group its own threshold; a server that cannot tell them apart: the lowest
+                parts = []
+                for t in levels:
+                    named = ", ".join(g for g in self.groups if self.thresholds.get(g) == t)
+                    at_top = self.top_load is not None and t >= self.top_load
+                    parts.append(f"{named} at every load measured (up to {t:g})" if at_top else f"{named} at ≤ {t:g}")
+                return (
+                    f"CONDITIONAL — adopt by {load_name}: {'; '.join(parts)}; turn speculation off above each "
+                    f"group's threshold (one setting for all: ≤ {self.threshold:g})"
+                )
             return (
                 f"CONDITIONAL — adopt for {groups} at {load_name} ≤ {self.threshold:g}; turn speculation off above it"
             )
         if self.decision == INCONCLUSIVE:
             return "INCONCLUSIVE — too few paired tasks to tell; nothing lost, no win shown (see the last clause)"
         return "REJECT — speculation does not pay off reliably here"
+
+    def _busy_line(self) -> str:
+        if not self.busy:
+            return ""
+        top = f", background up to {self.busy_max:.0%} of the cores" if self.busy_max is not None else ""
+        return f" [measured on a busy machine: {len(self.busy)} of {self.cells} cells contended{top}]"
 
 
 def load_name(kind: str) -> str:
@@ -162,6 +194,8 @@ def decide(
         verb = "wins" if c.lo > 1 else ("loses" if c.hi < 1 else "no clear difference")
         if c.n < min_n:
             verb += f", but too few paired tasks to count (n={c.n} < {min_n})"
+        if c.busy:
+            verb += f" — measured on a busy machine (background {c.background:.0%} of the cores)"
         clauses.append(
             Clause(
                 wins[(c.group, c.load)],
@@ -171,10 +205,25 @@ def decide(
                 neutral=not wins[(c.group, c.load)] and c.hi >= 1,  # not shown to win, not shown to lose
             )
         )
+    busy = [c for c in cells if c.busy]
+    extra: dict = {"top_load": loads[-1], "cells": len(cells)}
+    if busy:
+        extra["busy"] = [f"{c.group} @ {load_name} {c.load:g}" for c in sorted(busy, key=lambda c: (c.group, c.load))]
+        extra["busy_max"] = max(c.background or 0.0 for c in busy)
+        clauses.append(
+            Clause(
+                False,
+                f"busy machine: {len(busy)} of {len(cells)} cells were measured while other processes took more of "
+                f"the cores than the threshold (up to {extra['busy_max']:.0%}); speculation's extra compute costs "
+                "more on contended cores, so their speedups may not hold on a quiet one — re-measure them with "
+                "`specwise evaluate --resume --remeasure-contended`",
+                neutral=True,
+            )
+        )
     if not safe:
-        return Verdict(REJECT, clauses=clauses)
+        return Verdict(REJECT, clauses=clauses, **extra)
     if all(wins.values()):
-        return Verdict(ADOPT, clauses=clauses)
+        return Verdict(ADOPT, clauses=clauses, **extra)
     # Conditional: the largest load up to which a group wins at every level, if it stops winning above it.
     thresholds = {}
     for g in groups:
@@ -191,17 +240,23 @@ def decide(
     winners = sorted(thresholds)
     if winners and any(thresholds[g] < loads[-1] for g in winners):
         threshold = min(thresholds[g] for g in winners)
-        clauses.append(
-            Clause(
-                True,
-                f"threshold: speculation wins for {', '.join(winners)} up to {load_name} "
-                f"{threshold:g} and not at every level above",
+        thresholds = {g: thresholds[g] for g in winners}
+        if len(set(thresholds.values())) > 1:
+            each = "; ".join(
+                f"{g} up to {load_name} {t:g}" + (" (every load measured)" if t == loads[-1] else "")
+                for g, t in thresholds.items()
             )
-        )
-        return Verdict(CONDITIONAL, threshold, winners, clauses)
+            text = f"threshold per group: {each}; one setting for every group: {load_name} ≤ {threshold:g}"
+        else:
+            text = (
+                f"threshold: speculation wins for {', '.join(winners)} up to {load_name} {threshold:g} and not at "
+                "every level above"
+            )
+        clauses.append(Clause(True, text))
+        return Verdict(CONDITIONAL, threshold, winners, clauses, thresholds=thresholds, **extra)
     if winners:  # some groups win everywhere, others never: adopt for those groups only
         clauses.append(Clause(True, f"speculation wins at every load for {', '.join(winners)} only"))
-        return Verdict(CONDITIONAL, loads[-1], winners, clauses, everywhere=True)
+        return Verdict(CONDITIONAL, loads[-1], winners, clauses, everywhere=True, thresholds=thresholds, **extra)
     thin = [c for c in cells if c.n < min_n]
     if thin and not any(c.hi < 1 for c in cells if c.n >= min_n):
         fewest = min(c.n for c in thin)
@@ -213,8 +268,8 @@ def decide(
                 f"group for {len(groups)} group(s)) or --repeats {-(-min_n // fewest)} (each repeat is a pair)",
             )
         )
-        return Verdict(INCONCLUSIVE, clauses=clauses)
-    return Verdict(REJECT, clauses=clauses)
+        return Verdict(INCONCLUSIVE, clauses=clauses, **extra)
+    return Verdict(REJECT, clauses=clauses, **extra)
 
 
 def policy_from_verdict(v: Verdict, loads: list[float]) -> tuple[str, int | None]:

@@ -28,11 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from specwise.errors import SpecwiseError
+from specwise.harness.background import Background
 from specwise.harness.provenance import Target
 from specwise.harness.results import read_run
 from specwise.harness.statistics import ks_two_sample
 from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
+from specwise.specs import BUSY_SHARE
 
 OK, DRIFTED, INVALID = "ok", "drifted", "invalid"
 MIN_N = 5  # fewer requests than this in either sample: reported, not tested
@@ -72,6 +74,8 @@ class Baseline:
     max_load: float | None
     speedup_estimate: float | None
     speedups: list[float] = field(default_factory=list)  # per request, for the test
+    busy_phases: int = 0  # phases of the evaluation measured on a busy machine
+    phases: int = 0  # phases with a background recorded
 
 
 @dataclass
@@ -122,6 +126,8 @@ def load_baseline(path: str, drafter: str | None = None) -> Baseline:
         max_load=max(loads) if loads else None,
         speedup_estimate=SpecCounts.pooled(r.spec or SpecCounts() for r in recs).speedup_estimate,
         speedups=[s["speedup"] for s in samples if s["speedup"] is not None],
+        busy_phases=sum(p.background.busy(run.busy_share) for p in run.backgrounds),
+        phases=len(run.backgrounds),
     )
     if key is not None:
         _BASELINES[key] = base
@@ -304,8 +310,36 @@ def retrain_hint(rows: list[Row], log: str, has_text: bool) -> str | None:
     )
 
 
+def background_lines(samples: list[tuple[float, dict]], base: Baseline, threshold: float = BUSY_SHARE) -> list[str]:
+    """What the machine's background was in the window (the server's samples) and during the evaluation."""
+    lines = []
+    figures = [Background.read(f) for _, f in samples]
+    if figures:
+        busy = [b for b in figures if b.busy(threshold)]
+        worst = max(figures, key=lambda b: b.share)
+        mean = sum(b.share for b in figures) / len(figures)
+        lines.append(
+            f"background in the window: busy in {len(busy)} of {len(figures)} samples (above {threshold:.0%} of the "
+            f"cores), mean {mean:.0%}; worst: {worst.text()}"
+            if busy
+            else f"background in the window: quiet (at most {worst.share:.0%} of the cores over {len(figures)} samples)"
+        )
+    if base.busy_phases:
+        lines.append(
+            f"the evaluation itself was measured on a busy machine: {base.busy_phases} of {base.phases} phases "
+            "contended (its latencies may not be the quiet machine's)"
+        )
+    return lines
+
+
 def format_table(
-    rows: list[Row], base: Baseline, n: int, window: str, log: str | None = None, has_text: bool = False
+    rows: list[Row],
+    base: Baseline,
+    n: int,
+    window: str,
+    log: str | None = None,
+    has_text: bool = False,
+    background: list[tuple[float, dict]] | None = None,
 ) -> str:
     head = f"baseline {base.path} ({base.config}) vs {n} logged requests, window {window}"
     w = max(len(r.metric) for r in rows)
@@ -325,6 +359,11 @@ def format_table(
             INVALID: "INVALID — a revision changed: the evaluation no longer applies; re-run it",
         }[worst]
     )
+    context = background_lines(background or [], base)
+    busy_window = any(Background.read(f).busy() for _, f in background or [])
+    if worst != OK and busy_window:
+        lines[-1] += " (the alarm fell in a busy period on this machine: latency and load figures may reflect it)"
+    lines += context
     hint = retrain_hint(rows, log, has_text) if log else None
     if hint:
         lines.append(hint)
@@ -349,6 +388,7 @@ def check(
             raise SpecwiseError(f"{log}: the request log is empty (no request has finished since it was started)")
         end = until or time.time()
         entries = rlog.entries(since=None if seconds is None else end - seconds, until=end)
+        background = rlog.backgrounds(since=None if seconds is None else end - seconds, until=end)
     finally:
         rlog.close()
     drafter = next((e.drafter for e in entries if e.drafter), None)
@@ -357,4 +397,4 @@ def check(
         raise SpecwiseError(f"the window (last {window}) holds no requests: widen --window, or send traffic first")
     rows = compare(base, entries, alpha)
     has_text = any(e.prompt for e in entries)
-    return rows, format_table(rows, base, len(entries), window, log, has_text)
+    return rows, format_table(rows, base, len(entries), window, log, has_text, background)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specwise.errors import SpecwiseError
+from specwise.harness.background import Sampler
 from specwise.monitor.drift import Baseline, compare
 from specwise.monitor.requestlog import LogEntry, RequestLog
 from specwise.speccounts import SpecCounts
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # the server hands in the engine's objects; importing them wo
 
 log = logging.getLogger("specwise.server")
 ON_DRIFT = ("alert", "revert")
+BACKGROUND_EVERY_S = 10.0  # how often a logging server samples the machine's background (what `monitor` reads)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class DriftWatch:
         on_drift: str = "alert",
         revert: Callable[[str], None] | None = None,
         log_max_bytes: int | None = None,
+        background_every: float = BACKGROUND_EVERY_S,
     ):
         if on_drift not in ON_DRIFT:
             raise SpecwiseError(f"--on-drift {on_drift!r} is not allowed: choose {' or '.join(ON_DRIFT)}")
@@ -68,9 +71,15 @@ class DriftWatch:
         self.recent: collections.deque[LogEntry] = collections.deque(maxlen=max_recent)
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
         if self.log is not None:
             self._writer = threading.Thread(target=self._write_loop, name="specwise-request-log", daemon=True)
             self._writer.start()
+            self._sampler = threading.Thread(
+                target=self._sample_loop, args=(background_every,), name="specwise-background", daemon=True
+            )
+            self._sampler.start()
         self._lock = threading.Lock()
         self._cached: tuple[float, tuple[float, float, list[str]]] | None = None
         self._identities: dict[str | None, dict | None] = {}
@@ -122,6 +131,18 @@ class DriftWatch:
         if self.log is not None:
             self._writes.put(("policy", change.to_dict()))
 
+    def _sample_loop(self, every: float = BACKGROUND_EVERY_S) -> None:
+        """The machine's background (every process but this server) into the log, one sample per `every` seconds."""
+        sampler = Sampler()
+        last = sampler.snapshot()
+        while not self._stop.wait(every):
+            try:
+                now = sampler.snapshot()
+                self._writes.put(("background", (time.time(), sampler.between(last, now).to_dict())))
+                last = now
+            except Exception:  # a sample lost, never the server
+                log.exception("background sample failed")
+
     def _write_loop(self) -> None:
         assert self.log is not None
         while True:
@@ -133,6 +154,8 @@ class DriftWatch:
                     self.log.add(item)
                 elif kind == "policy":
                     self.log.add_policy_change(item)
+                elif kind == "background":
+                    self.log.add_background(*item)
             except Exception:  # a full disk loses log rows, never requests
                 log.exception("request log write failed")
             finally:
@@ -177,6 +200,10 @@ class DriftWatch:
 
     def close(self) -> None:
         """Write what is queued, then close the log."""
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join(5)
+            self._sampler = None
         if self._writer is not None:
             self._writes.put(("stop", None))
             self._writer.join(30)

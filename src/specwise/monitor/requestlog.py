@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS log (
 );
 CREATE INDEX IF NOT EXISTS log_time ON log (time);
 CREATE TABLE IF NOT EXISTS policy_changes (time REAL NOT NULL, old TEXT, new TEXT, by TEXT, reason TEXT);
+CREATE TABLE IF NOT EXISTS background (time REAL NOT NULL, figures TEXT NOT NULL);
 """
 
 
@@ -68,6 +69,7 @@ _COUNTS = (
 
 
 MAX_POLICY_CHANGES = 10_000  # run-time policy changes a log keeps (the oldest dropped first)
+MAX_BACKGROUND = 100_000  # background samples a log keeps (11 days at one per 10 s; the oldest dropped first)
 
 
 class RequestLog:
@@ -178,6 +180,29 @@ class RequestLog:
                 "(SELECT rowid FROM policy_changes ORDER BY time DESC LIMIT ?)",
                 (MAX_POLICY_CHANGES,),
             )
+
+    def add_background(self, at: float, figures: dict) -> None:
+        """The machine's background over the last sampling interval (harness.background.Background.to_dict)."""
+        with self._lock, self.db:
+            self.db.execute("INSERT INTO background VALUES (?, ?)", (at, json.dumps(figures)))
+            self._background_adds = getattr(self, "_background_adds", 0) + 1
+            if self._background_adds % 1000 == 0:
+                self.db.execute(
+                    "DELETE FROM background WHERE rowid NOT IN "
+                    "(SELECT rowid FROM background ORDER BY time DESC LIMIT ?)",
+                    (MAX_BACKGROUND,),
+                )
+
+    def backgrounds(self, since: float | None = None, until: float | None = None) -> list[tuple[float, dict]]:
+        """(time, figures) of the background samples in a window; none in a log from before they were recorded."""
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "background" not in tables:
+            return []
+        rows = self.db.execute(
+            "SELECT time, figures FROM background WHERE time >= ? AND time <= ? ORDER BY time",
+            (since or 0.0, until or 1e18),
+        ).fetchall()
+        return [(t, json.loads(f)) for t, f in rows]
 
     def policy_changes(self) -> list[dict]:
         rows = self.db.execute("SELECT time, old, new, by, reason FROM policy_changes ORDER BY time").fetchall()
