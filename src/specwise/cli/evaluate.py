@@ -16,7 +16,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workload",
         help="a YAML/JSONL workload file, or a built-in one: release-notes (default), spec-bench-like "
-        "(six Spec-Bench-like categories) or agent-like (tool calls answered with JSON)",
+        "(six Spec-Bench-like categories), agent-like (tool calls answered with JSON) or code (Python edits that copy "
+        "their input, and questions about the same code)",
     )
     p.add_argument(
         "--model",

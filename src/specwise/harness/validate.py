@@ -13,6 +13,7 @@ fetched, and a reference that points outside is refused when the workload loads.
 
 from __future__ import annotations
 
+import ast
 import contextvars
 import json
 import time
@@ -113,6 +114,37 @@ def _length(text: str, p: dict) -> tuple[bool, str]:
     return lo <= n <= hi, "" if lo <= n <= hi else f"{n} {unit}, allowed {lo}..{hi}"
 
 
+FENCE_RE = regex.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", regex.DOTALL)
+LANGUAGES = ("python",)  # what code_parses can parse
+
+
+def _code(text: str) -> str:
+    """The code an answer gives: its first fenced block (```python …```; an unclosed one to the end), else all of it."""
+    m = next(_finditer(FENCE_RE, text), None)
+    return m.group(2) if m else text
+
+
+def _code_parses(text: str, p: dict) -> tuple[bool, str]:
+    """The answer's code parses (Python: `ast.parse`, which never runs it)."""
+    code = _code(text)
+    if not code.strip():
+        return False, "no code in the answer"
+    try:
+        ast.parse(code)
+    except SyntaxError as exc:
+        return False, f"the code does not parse as Python: {exc.msg} (line {exc.lineno})"
+    except (RecursionError, MemoryError, ValueError) as exc:
+        return False, f"the code does not parse as Python ({type(exc).__name__})"
+    return True, ""
+
+
+def _identifiers_kept(text: str, p: dict) -> tuple[bool, str]:
+    """Every name the input's code defines or uses that the edit must keep is still in the answer's code."""
+    code = _code(text)
+    lost = [n for n in p["names"] if not _search(r"(?<![A-Za-z0-9_])" + regex.escape(n) + r"(?![A-Za-z0-9_])", code)]
+    return not lost, f"identifier(s) lost: {lost}" if lost else ""
+
+
 def _json_schema(text: str, p: dict) -> tuple[bool, str]:
     try:
         doc = json.loads(text)
@@ -196,6 +228,8 @@ VALIDATORS: dict[str, tuple[Callable[[str, dict], tuple[bool, str]], dict, dict]
     "regex": (_regex, {"pattern": str}, {"must_match": bool}),
     "length": (_length, {}, {"min": int, "max": int, "unit": str}),
     "json_schema": (_json_schema, {"schema": dict}, {}),
+    "code_parses": (_code_parses, {}, {"language": str}),
+    "identifiers_kept": (_identifiers_kept, {"names": list}, {}),
 }
 
 
@@ -236,6 +270,12 @@ def check_validator(spec: object, where: str) -> dict:
                 f"{where}: validator 'json_schema' refers outside its schema ({outside[:3]}); nothing is fetched: "
                 "a reference must be a fragment of the schema itself ('#/$defs/NAME')"
             )
+    if kind == "code_parses" and spec.get("language", LANGUAGES[0]) not in LANGUAGES:
+        raise SpecwiseError(f"{where}: validator 'code_parses' language must be one of {list(LANGUAGES)}")
+    if kind == "identifiers_kept" and not all(
+        isinstance(n, str) and regex.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in spec["names"]
+    ):
+        raise SpecwiseError(f"{where}: validator 'identifiers_kept' names must be identifiers (letters, digits, _)")
     if kind == "length" and spec.get("unit", "words") not in ("words", "chars"):
         raise SpecwiseError(f"{where}: validator 'length' unit must be 'words' or 'chars'")
     return spec

@@ -151,7 +151,31 @@ def _task(t: object, where: str) -> Task:
 SYSTEM = "You are a release-note assistant. You turn engineering notes into release notes for users."
 
 
-BUILTIN = ("release-notes", "spec-bench-like", "agent-like")
+BUILTIN = ("release-notes", "spec-bench-like", "agent-like", "code")
+CODE_SYSTEM = "You are a careful Python programmer. You answer exactly what is asked."
+CODE_EDIT = "Reply with the whole updated code in one ```python block and nothing else."
+
+
+def code_workload() -> Workload:
+    """Python edits whose answers copy most of their input, and questions about the same code (data/code.yaml):
+    every edit's answer must parse and keep the input's identifiers."""
+    doc = yaml.safe_load((DATA / "code.yaml").read_text())
+    tasks = []
+    for i, t in enumerate(doc["tasks"]):
+        where = f"builtin:code tasks[{i}]"
+        ask = t["ask"] if "question" in t["groups"] else f"{t['ask']} {CODE_EDIT}"
+        user = f"{ask}\n\n```python\n{t['code']}```"
+        tasks.append(
+            Task(
+                t["id"],
+                tuple(t["groups"]),
+                t["max_tokens"],
+                messages=({"role": "system", "content": CODE_SYSTEM}, {"role": "user", "content": user}),
+                validators=tuple(check_validator(v, f"{where} validators[{j}]") for j, v in enumerate(t["validators"])),
+            )
+        )
+    return Workload(doc["name"], tasks, doc["description"], "builtin:code")
+
 
 AGENT_SYSTEM = (
     "You are a tool-calling agent. Answer every request with exactly one JSON object and nothing else: "
@@ -235,6 +259,8 @@ def builtin_workload(name: str = "release-notes") -> Workload:
         return load_workload(DATA / "spec_bench_like.yaml")
     if name == "agent-like":
         return agent_workload()
+    if name == "code":
+        return code_workload()
     doc = yaml.safe_load((DATA / "release_notes.yaml").read_text())
     tasks = []
     for ns in doc["note_sets"]:
