@@ -70,8 +70,9 @@ def _type_checking_only(node: ast.AST, parents: dict) -> bool:
     return False
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module → the specwise modules it imports anywhere in its text (function bodies too; not TYPE_CHECKING)."""
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module → the specwise modules it imports anywhere in its text (function bodies too; TYPE_CHECKING blocks only
+    with `type_only`)."""
     known = set(all_modules())
     graph: dict[str, set[str]] = {}
     for mod in known:
@@ -87,7 +88,7 @@ def import_graph() -> dict[str, set[str]]:
                 ]
             else:
                 continue
-            if _type_checking_only(node, parents):
+            if not type_only and _type_checking_only(node, parents):
                 continue
             out |= {n for n in names if n in known and n != mod}
         graph[mod] = out
@@ -114,6 +115,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := visit(m)):
             return found
     return None
+
+
+def test_no_import_cycle_even_through_type_only_imports():
+    """A type-only cycle (generate.py importing ServerState back from app.py, once) is a layering smell too."""
+    cycle = find_cycle(import_graph(type_only=True))
+    assert cycle is None, "import cycle (type-only imports included): " + " → ".join(cycle)
 
 
 def test_find_cycle_finds_one():

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -33,10 +33,8 @@ from specwise.server.protocol import (
     now,
     sse,
 )
+from specwise.server.state import ServerState
 from specwise.server.usage import chat_logprobs, completion_logprobs, spec_usage, token_usage
-
-if TYPE_CHECKING:
-    from specwise.server.app import ServerState
 
 log = logging.getLogger("specwise.server")
 _GONE = object()  # the relay's sentinel: the client disconnected
