@@ -25,7 +25,7 @@ from specwise.harness.engine_backend import EngineBackend
 from specwise.harness.http_backend import HTTPBackend
 from specwise.harness.load import loads_from_flags
 from specwise.harness.report import console_summary, html_report
-from specwise.harness.runner import Plan, check_store, run
+from specwise.harness.runner import Plan, RunOptions, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
 from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES, VERIFY_METHODS, check_drafter_spec, check_verify, parse_k
@@ -212,9 +212,18 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise SpecwiseError("--retry-errors needs --resume: it re-runs the failed requests of the run in --out")
     if getattr(args, "remeasure_contended", False) and not args.resume:
         raise SpecwiseError("--remeasure-contended needs --resume: it re-runs the busy phases of the run in --out")
-    busy_share = getattr(args, "busy_share", BUSY_SHARE)
-    if not 0 < busy_share < 1:
-        raise SpecwiseError(f"--busy-share {busy_share} is not allowed: give a share of the cores between 0 and 1")
+    options = RunOptions(
+        resume=args.resume,
+        show_progress=not args.no_progress,
+        retry_errors=getattr(args, "retry_errors", False),
+        quiet=getattr(args, "quiet_machine", QUIET_MACHINE_MODES[0]),
+        busy_share=getattr(args, "busy_share", BUSY_SHARE),
+        remeasure_contended=getattr(args, "remeasure_contended", False),
+    )
+    if not 0 < options.busy_share < 1:
+        raise SpecwiseError(
+            f"--busy-share {options.busy_share} is not allowed: give a share of the cores between 0 and 1"
+        )
     other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
     if args.endpoint and other_precision:
         raise SpecwiseError(
@@ -307,17 +316,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         with contextlib.suppress(ValueError):  # not the main thread (tests): leave the handlers as they are
             signal.signal(sig, _interrupt)
     try:
-        run(
-            plan,
-            store,
-            backend,
-            resume=args.resume,
-            show_progress=not args.no_progress,
-            retry_errors=getattr(args, "retry_errors", False),
-            quiet=getattr(args, "quiet_machine", QUIET_MACHINE_MODES[0]),
-            busy_share=busy_share,
-            remeasure_contended=getattr(args, "remeasure_contended", False),
-        )
+        run(plan, store, backend, options)
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: every finished request is saved in {out / 'run.db'}; continue with --resume",

@@ -94,22 +94,28 @@ def check_store(plan: Plan, store: Store, resume: bool) -> None:
         )
 
 
-def run(
-    plan: Plan,
-    store: Store,
-    backend: Backend,
-    resume: bool = False,
-    show_progress: bool = True,
-    chunk: int | None = None,
-    retry_errors: bool = False,
-    quiet: str = QUIET_MACHINE_MODES[0],
-    busy_share: float = BUSY_SHARE,
-    remeasure_contended: bool = False,
-) -> None:
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes, beside what it measures (the plan): none of it changes the plan's fingerprint."""
+
+    resume: bool = False  # continue the run in the store (it must hold the same plan)
+    show_progress: bool = True
+    chunk: int | None = None  # tasks per interleaved phase (default: from the load)
+    retry_errors: bool = False  # with resume: measure again the requests whose record is an error
+    quiet: str = QUIET_MACHINE_MODES[0]  # --quiet-machine: ignore (record), wait, fail
+    busy_share: float = BUSY_SHARE  # the background share of the cores above which a phase is contended
+    remeasure_contended: bool = False  # with resume: drop the contended phases' records and measure them again
+
+
+def run(plan: Plan, store: Store, backend: Backend, options: RunOptions | None = None, **settings) -> None:
     """Measure every (configuration, load, task, repeat) not yet in the store; with `retry_errors` also those whose
     record is an error (the new record replaces it). Each phase's background load is recorded beside it; `quiet`
     (--quiet-machine) waits for a quiet machine before a phase, refuses a busy one, or only records; with
-    `remeasure_contended` the phases recorded as busy are dropped and measured again."""
+    `remeasure_contended` the phases recorded as busy are dropped and measured again. `settings`: RunOptions' fields,
+    for a caller without an options object."""
+    o = options or RunOptions(**settings)
+    resume, show_progress, chunk, retry_errors = o.resume, o.show_progress, o.chunk, o.retry_errors
+    quiet, busy_share, remeasure_contended = o.quiet, o.busy_share, o.remeasure_contended
     check_store(plan, store, resume)
     meta = plan.to_meta()
     roots, remote = backend.observed()
