@@ -160,8 +160,7 @@ def test_a_busy_descendant_is_the_measured_system_not_background():
         child.wait()
     assert child.pid not in b.others  # the spinning child is in the observed tree …
     assert (b.ours - a.ours) / TICK / (b.at - a.at) > 0.6  # … and its core-seconds are the measured system's
-    bg = sampler.between(a, b)
-    assert all(name != "python" or cores < 0.6 for name, cores in bg.top), bg.text()
+    assert sampler.between(a, b).measured > 0.6
 
 
 def test_a_remote_endpoint_is_recorded_as_the_client_side_only():
