@@ -4,6 +4,7 @@ kept in one torch-free place so each rule is stated once.
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
 - drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES), ``--quantize`` (QUANTIZE) and ``--activations`` (ACTIVATIONS)
+- what a target is loaded as (model, device, precision): TargetOptions
 - a draft head's training (`specwise train-draft`): TrainOptions
 - verification of sampled drafts: ``--verify`` (VERIFY_METHODS; the first is the default)
 """
@@ -97,6 +98,44 @@ def check_drafter_spec(spec: object) -> str:
         what = f"drafter {spec!r} is not allowed: {hint}" if hint else f"unknown drafter {spec!r}"
         raise SpecwiseError(f"{what} (allowed: {DRAFTER_HELP})", param="drafter")
     return str(spec)
+
+
+def check_precision(dtype: str, quantize: str | None, activations: str = "auto") -> None:
+    """Refuse unknown --dtype / --quantize / --activations values, naming the allowed ones."""
+    if dtype not in DTYPES:
+        raise SpecwiseError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise SpecwiseError(f"quantize {quantize!r} is not supported (allowed: {', '.join(QUANTIZE)}, or none)")
+    if activations not in ACTIVATIONS:
+        raise SpecwiseError(f"activations {activations!r} are not supported (allowed: {', '.join(ACTIVATIONS)})")
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """What a target is loaded as — the model (a GGUF, an HF directory, a registry name; None: the embedded one), the
+    device and the precision — built once by a subcommand from its flags and handed down to the engine's loader."""
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = DTYPES[0]
+    quantize: str | None = None
+    activations: str = ACTIVATIONS[0]
+
+    def __post_init__(self) -> None:
+        check_precision(self.dtype, self.quantize, self.activations)
+
+    def precision_flags(self) -> str:
+        """The precision flags that differ from the defaults, as typed ("" for the model's own precision)."""
+        return " ".join(
+            filter(
+                None,
+                [
+                    f"--dtype {self.dtype}" if self.dtype != DTYPES[0] else None,
+                    f"--quantize {self.quantize}" if self.quantize else None,
+                    f"--activations {self.activations}" if self.activations != ACTIVATIONS[0] else None,
+                ],
+            )
+        )
 
 
 def check_verify(method: object) -> str:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE, parse_k
+from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE, TargetOptions, parse_k
 
 DTYPE_HELP = (
     "weights' precision on the CPU kernels: auto (default: a GGUF's own quantised types, bf16 for "
@@ -23,6 +23,11 @@ def precision_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--quantize", default=None, choices=QUANTIZE, help=QUANTIZE_HELP)
     p.add_argument("--activations", default="auto", choices=ACTIVATIONS, help=ACTIVATIONS_HELP)
+
+
+def target_options(args: argparse.Namespace) -> TargetOptions:
+    """The target a subcommand's --model, --device and precision flags name (checked here, before anything loads)."""
+    return TargetOptions(args.model, getattr(args, "device", "cpu"), args.dtype, args.quantize, args.activations)
 
 
 def drafter_arg(value: str) -> str | None:

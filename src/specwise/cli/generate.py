@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from specwise.cli.common import drafter_arg, k_arg, precision_flags
+from specwise.cli.common import drafter_arg, k_arg, precision_flags, target_options
 from specwise.errors import SpecwiseError
 from specwise.models import MODEL_HELP
 from specwise.specs import DRAFTER_HELP, K_MAX, VERIFY_HELP, VERIFY_METHODS
@@ -51,9 +51,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.prompt.strip():
         raise SpecwiseError("the prompt is empty: give at least one character of text")
-    target = load_target(
-        args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, activations=args.activations
-    )
+    target = load_target(target_options(args))
     engine = Engine(target, drafter=args.drafter, k=args.k, max_batch=1, verify=args.verify)
     use_chat = not args.raw and target.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,7 +34,7 @@ from specwise.engine.tokenizer import Tokenizer
 from specwise.errors import SpecwiseError
 from specwise.identity import directory_sha256, gguf_sha256
 from specwise.paths import cache_root
-from specwise.specs import ACTIVATIONS, DTYPES, QUANTIZE
+from specwise.specs import TargetOptions
 
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
 NATIVE_VERSION = 4  # bump when the packed layout changes
@@ -103,33 +104,26 @@ def device_info(target: LoadedModel) -> dict:
     return info
 
 
-def check_precision(dtype: str, quantize: str | None, activations: str = "auto") -> None:
-    """Refuse unknown --dtype / --quantize / --activations values, naming the allowed ones."""
-    if dtype not in DTYPES:
-        raise SpecwiseError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise SpecwiseError(f"quantize {quantize!r} is not supported (allowed: {', '.join(QUANTIZE)}, or none)")
-    if activations not in ACTIVATIONS:
-        raise SpecwiseError(f"activations {activations!r} are not supported (allowed: {', '.join(ACTIVATIONS)})")
-
-
 def load_target(
-    path: str | Path | None = None,
-    device: str | None = "cpu",
-    dtype: str = "auto",
+    target: TargetOptions | str | Path | None = None,
     max_len: int | None = None,
-    quantize: str | None = None,
     reference: bool = False,
-    activations: str = "auto",
     variant: str | None = None,
+    **fields: Any,
 ) -> LoadedModel:
-    """Load a model from an HF directory or GGUF file (None: the embedded SmolLM2-135M-Instruct). `reference` runs
-    a Llama-family model on the torch reference decoder instead of the CPU kernels (tests compare the two);
-    `activations` is what 4- and 8-bit layers multiply (specs.ACTIVATIONS), `variant` the kernel variant
-    (default: $SPECWISE_KERNELS, else the widest this CPU runs)."""
-    check_precision(dtype, quantize, activations)
-    dev = resolve_device(device)
-    source = models.resolve(path)  # None: the embedded model; a name: its GGUF, assembled once
+    """Load a model as `target` says (TargetOptions; or a path or name, with TargetOptions' other fields as keywords;
+    None: the embedded SmolLM2-135M-Instruct). `reference` runs a Llama-family model on the torch reference decoder
+    instead of the CPU kernels (tests compare the two); `variant` is the kernel variant (default: $SPECWISE_KERNELS,
+    else the widest this CPU runs)."""
+    if isinstance(target, TargetOptions):
+        if fields:
+            raise TypeError(f"load_target: give {sorted(fields)} in the TargetOptions, not beside them")
+        opts = target
+    else:
+        opts = TargetOptions(None if target is None else str(target), **fields)
+    dtype, quantize, activations = opts.dtype, opts.quantize, opts.activations
+    dev = resolve_device(opts.device)
+    source = models.resolve(opts.model)  # None: the embedded model; a name: its GGUF, assembled once
     if not source.exists():
         raise SpecwiseError(f"model path {str(source)!r} does not exist (give an HF directory or a .gguf file)")
     if source.is_file():
@@ -161,7 +155,7 @@ def load_target(
     else:
         if dtype == "float16":
             raise SpecwiseError("dtype float16 runs on CUDA only; on the CPU use auto, bfloat16 or float32")
-        model = _load_native(source, directory, config, dtype, quantize, max_len, activations, variant)
+        model = _load_native(source, directory, config, opts, max_len, variant)
         precision = model.precision
     n_params = model.num_parameters()
     exact = not (isinstance(model, NativeDecoder) and model.activations == "int8")  # int8 activations: other numbers
@@ -195,16 +189,10 @@ def _torch_activations(activations: str, why: str) -> None:
 
 
 def _load_native(
-    source: Path,
-    directory: Path,
-    config: dict,
-    dtype: str,
-    quantize: str | None,
-    max_len: int | None,
-    activations: str,
-    variant: str | None,
+    source: Path, directory: Path, config: dict, opts: TargetOptions, max_len: int | None, variant: str | None
 ) -> CausalLM:
     """Our decoder on the CPU kernels (the reference decoder, with a warning, where they cannot be built)."""
+    dtype, quantize, activations = opts.dtype, opts.quantize, opts.activations
     try:
         kernels.library(variant)
         weights = _native_weights(source, directory, ModelConfig.from_hf(config), dtype, quantize)

@@ -14,7 +14,7 @@ from specwise.harness.config import Config
 from specwise.harness.facts import hardware
 from specwise.harness.load import Load
 from specwise.harness.store import Record
-from specwise.specs import DEFAULT_MAX_BATCH, HARNESS_MAX_LEN
+from specwise.specs import DEFAULT_MAX_BATCH, HARNESS_MAX_LEN, VERIFY_METHODS, TargetOptions
 
 
 class EngineBackend:
@@ -24,20 +24,16 @@ class EngineBackend:
 
     def __init__(
         self,
-        model: str | None,
+        target: TargetOptions,
         configs: list[Config],
-        device: str = "cpu",
         max_batch: int = DEFAULT_MAX_BATCH,
         max_len: int = HARNESS_MAX_LEN,
         temperature: float = 0.0,
-        dtype: str = "auto",
-        quantize: str | None = None,
-        verify: str = "coupled",
-        activations: str = "auto",
+        verify: str = VERIFY_METHODS[0],
     ):
         from specwise.engine import Engine, load_target
 
-        self.target = load_target(model, device=device, dtype=dtype, quantize=quantize, activations=activations)
+        self.target = load_target(target)
         self.temperature = temperature
         self._facts: dict[str, dict] = {}
         self.engines = {

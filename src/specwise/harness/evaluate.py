@@ -28,7 +28,15 @@ from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, RunOptions, check_store, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
-from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES, VERIFY_METHODS, check_drafter_spec, check_verify, parse_k
+from specwise.specs import (
+    BUSY_SHARE,
+    QUIET_MACHINE_MODES,
+    VERIFY_METHODS,
+    TargetOptions,
+    check_drafter_spec,
+    check_verify,
+    parse_k,
+)
 
 CONFIG_KEYS = {"name", "drafter", "k", "launch", "request", "verify"}
 
@@ -248,19 +256,10 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
             "was started (specwise: `serve --verify`, in the --launch command), and the audit reads what it reports"
         )
     verify = args.verify or VERIFY_METHODS[0]
+    engine_target = TargetOptions(args.model, args.device, args.dtype, args.quantize, args.activations)
     target = args.model
     if not args.endpoint and other_precision:  # another precision is another target
-        target = " ".join(
-            filter(
-                None,
-                [
-                    args.model,
-                    f"--dtype {args.dtype}" if args.dtype != "auto" else None,
-                    f"--quantize {args.quantize}" if args.quantize else None,
-                    f"--activations {args.activations}" if args.activations != "auto" else None,
-                ],
-            )
-        )
+        target = " ".join(filter(None, [args.model, engine_target.precision_flags()]))
     plan = Plan(
         workload,
         configs,
@@ -296,15 +295,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         )
     else:
         backend = EngineBackend(
-            args.model,
-            configs,
-            device=args.device,
-            max_batch=max_batch,
-            temperature=args.temperature,
-            dtype=args.dtype,
-            quantize=args.quantize,
-            verify=verify,
-            activations=args.activations,
+            engine_target, configs, max_batch=max_batch, temperature=args.temperature, verify=verify
         )
 
     # SIGTERM and SIGHUP end the run as Ctrl-C does: records are saved, launched servers stopped (every exit path;

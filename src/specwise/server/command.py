@@ -18,7 +18,7 @@ from specwise.monitor.live import DriftWatch
 from specwise.monitor.requestlog import RequestLog
 from specwise.policy import Policy, PolicyFile
 from specwise.server.middleware import LOOPBACK_HOSTS
-from specwise.specs import parse_threshold
+from specwise.specs import TargetOptions, parse_threshold
 
 
 def read_policy_from(args: argparse.Namespace):
@@ -83,6 +83,7 @@ def memory_line(engine) -> str:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Check every flag, load the model, start the scheduler thread and serve until interrupted."""
+    options = TargetOptions(args.model, args.device, args.dtype, args.quantize, args.activations)
     if not 0 <= args.port <= 65535:
         raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
     if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
@@ -122,9 +123,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from specwise.engine import Engine, load_target
     from specwise.server.app import ServerState, create_app
 
-    target = load_target(
-        args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, activations=args.activations
-    )
+    target = load_target(options)
     engine = Engine(
         target,
         drafter=args.drafter,
