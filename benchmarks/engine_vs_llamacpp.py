@@ -18,7 +18,8 @@ several rounds; generated tokens per second (prefill included) and their ratio.
 
 With --kernels (a list, or `all`: every variant this CPU runs), part 1 runs specwise on each kernel variant against
 llama.cpp built for the same instruction-set level (scripts/llama-server.sh with LLAMA_LEVEL=avx2|avx512; the native
-build for generic and neon), all in the same interleaved run, and part 4 adds per variant: a 9-token verification
+build for generic and neon, and for avx2 on a CPU without AVX-512, where native is llama.cpp's best), all in the
+same interleaved run, and part 4 adds per variant: a 9-token verification
 pass against a one-token step (benchmarks/kernels.py's measurement), a served step (`specwise serve`, its own decode
 time) beside a process busy-looping on one core against the idle one, the wall time of the default `specwise
 evaluate` (the README's main job after setup), and each engine's decode as a fraction of the floor the machine's
@@ -84,6 +85,8 @@ def free_port() -> int:
 
 
 LEVELS = {"avx2": "avx2", "avx512": "avx512"}  # specwise variant → llama.cpp build level (others: native)
+if "avx512f" not in Path("/proc/cpuinfo").read_text():  # an AVX2-only CPU: its native build is llama.cpp's best here
+    LEVELS["avx2"] = "native"
 
 
 def find_llama_server(path: str | None, level: str = "native") -> str:
