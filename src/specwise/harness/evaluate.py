@@ -228,10 +228,6 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         busy_share=getattr(args, "busy_share", BUSY_SHARE),
         remeasure_contended=getattr(args, "remeasure_contended", False),
     )
-    if not 0 < options.busy_share < 1:
-        raise SpecwiseError(
-            f"--busy-share {options.busy_share} is not allowed: give a share of the cores between 0 and 1"
-        )
     other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
     if args.endpoint and other_precision:
         raise SpecwiseError(

@@ -106,6 +106,16 @@ class RunOptions:
     busy_share: float = BUSY_SHARE  # the background share of the cores above which a phase is contended
     remeasure_contended: bool = False  # with resume: drop the contended phases' records and measure them again
 
+    def __post_init__(self) -> None:
+        if self.quiet not in QUIET_MACHINE_MODES:
+            raise SpecwiseError(
+                f"--quiet-machine {self.quiet!r} is not allowed: choose one of {', '.join(QUIET_MACHINE_MODES)}"
+            )
+        if not 0 < self.busy_share < 1:
+            raise SpecwiseError(
+                f"--busy-share {self.busy_share} is not allowed: give a share of the cores between 0 and 1"
+            )
+
 
 def run(plan: Plan, store: Store, backend: Backend, options: RunOptions | None = None, **settings) -> None:
     """Measure every (configuration, load, task, repeat) not yet in the store; with `retry_errors` also those whose
@@ -113,7 +123,7 @@ def run(plan: Plan, store: Store, backend: Backend, options: RunOptions | None =
     (--quiet-machine) waits for a quiet machine before a phase, refuses a busy one, or only records; with
     `remeasure_contended` the phases recorded as busy are dropped and measured again. `settings`: RunOptions' fields,
     for a caller without an options object."""
-    o = options or RunOptions(**settings)
+    o = options or RunOptions(**settings)  # checked there: the quiet-machine mode and the busy share
     resume, show_progress, chunk, retry_errors = o.resume, o.show_progress, o.chunk, o.retry_errors
     quiet, busy_share, remeasure_contended = o.quiet, o.busy_share, o.remeasure_contended
     check_store(plan, store, resume)
