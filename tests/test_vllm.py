@@ -24,7 +24,9 @@ from test_server import free_port, serve_process
 
 from specwise.harness.analyze import load_run
 from specwise.harness.commands import split
+from specwise.harness.export import export_config
 from specwise.harness.report import console_summary, plots
+from specwise.harness.results import KChoice
 from specwise.harness.server_reports import parse_spec_counters
 from specwise.identity import read_manifest
 
@@ -144,14 +146,16 @@ def started(command: str, url: str, log: Path, timeout: float = 300):
 
 
 def test_a_k_sweep_on_vllm_exports_a_config_that_vllm_starts_with_and_drafts_by(vllm_python, hf_dir, tmp_path):
+    """Three behaviours, none of which depends on who wins on this machine: the sweep measures every k through vLLM
+    (its counters bound each draft by that k); the export follows the measured table (refusing where it says off);
+    and a vLLM started with what the export writes for a table drafts by that table at batch size 1. Whether vLLM's
+    n-gram beats speculation-off on a 2-core CPU is a measurement (it did on one CI run and not on the next)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = serve_command(vllm_python, hf_dir, port)
     swept = {**NGRAM, "num_speculative_tokens": "{k}"}
     ngram = f"{serve} --speculative-config '{json.dumps(swept).replace(chr(34) + '{k}' + chr(34), '{k}')}'"
-    # Copy-heavy tasks, so n-gram drafting wins at concurrency 1 even on a busy machine (on the release-note
-    # workload a contended CI run once chose k=0 there, and the export rightly turned drafting off at batch 1).
-    work = tmp_path / "copy.yaml"
+    work = tmp_path / "copy.yaml"  # copy-heavy tasks: the n-gram drafter has something to draft from
     work.write_text(
         "tasks:\n"
         + "".join(
@@ -178,28 +182,38 @@ def test_a_k_sweep_on_vllm_exports_a_config_that_vllm_starts_with_and_drafts_by(
         "--no-progress",
         timeout=1200,
     )
-    run = load_run(tmp_path / "sweep" / "run.db")
+    db = tmp_path / "sweep" / "run.db"
+    run = load_run(db)
     assert [(c.name, c.drafter, c.k) for c in run.plan.configs] == [
         ("base", None, "auto"),
         ("ng k=1", "ngram:4", 1),
         ("ng k=3", "ngram:4", 3),
     ]
+    for name, k in (("ng k=1", 1), ("ng k=3", 3)):  # each k was what vLLM ran: drafts of at most k tokens
+        spec = run.server_counters[f"{name}|concurrent@1"][0]
+        assert spec.num_drafts > 0 and spec.num_draft_tokens <= k * spec.num_drafts, (name, spec)
     choices = {c.concurrency: c.k for c in run.analysed.k_choices}
-    assert set(choices) == {1, 2}
-    exported = cli("export-config", tmp_path / "sweep" / "run.db", "--format", "vllm", check=False)
-    if not any(choices.values()):  # no swept k won anywhere: the export must say so, not invent one
-        assert exported.returncode == 2 and "no swept k beats speculation-off" in exported.stderr
-        pytest.fail(f"vLLM's n-gram won at no load in this run ({run.analysed.k_choices}): nothing to export")
-    assert exported.returncode == 0, exported.stderr
-    config = json.loads(exported.stdout)
-    assert config["num_speculative_tokens"] == max(choices.values())
-    k1 = choices[1]
-    # vLLM started with exactly what was exported: healthy, and at batch size 1 it drafts at most the chosen k.
-    with started(
-        serve_command(vllm_python, hf_dir, port, f"--speculative-config '{exported.stdout.strip()}'"),
-        url,
-        tmp_path / "vllm.log",
-    ):
+    assert set(choices) == {1, 2} and set(choices.values()) <= {0, 1, 3}
+    measured = cli("export-config", db, "--format", "vllm", check=False)
+    if any(choices.values()):
+        assert measured.returncode == 0, measured.stderr
+        config = json.loads(measured.stdout)
+        assert config["num_speculative_tokens"] == max(choices.values())
+        assert config["num_speculative_tokens_per_batch_size"][:2] == [[1, 1, choices[1]], [2, 2, choices[2]]]
+    else:  # no swept k won anywhere: the export says so, not invents one
+        assert measured.returncode == 2 and "no swept k beats speculation-off" in measured.stderr, measured.stderr
+    # What the export writes for a table that drafts at batch 1 (k=3) and not above it, as vLLM takes it.
+    run.analysed.k_choices = [
+        KChoice("ngram:4", "concurrent@1", 1.0, 3, 1, 1),
+        KChoice("ngram:4", "concurrent@2", 2.0, 0, 0, 1),
+    ]
+    text, _ = export_config(run, "vllm")
+    config = json.loads(text)
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 2, 0]]
+    assert {k: v for k, v in config.items() if "num_speculative" not in k} == {  # the swept settings, k aside
+        k: v for k, v in NGRAM.items() if k != "num_speculative_tokens"
+    }
+    with started(serve_command(vllm_python, hf_dir, port, f"--speculative-config '{text}'"), url, tmp_path / "v.log"):
         prompt = "Repeat exactly: alpha beta gamma delta epsilon zeta eta theta. " * 3
         for _ in range(3):
             r = httpx.post(
@@ -210,15 +224,8 @@ def test_a_k_sweep_on_vllm_exports_a_config_that_vllm_starts_with_and_drafts_by(
             assert r.status_code == 200, r.text
         counters = parse_spec_counters(httpx.get(url + "/metrics", timeout=10).text)
     assert counters, "vLLM's /metrics has no speculative-decoding counters"
-    if k1 == 0:  # the table turned drafting off at batch size 1, and vLLM must honour that
-        assert counters["num_drafts"] == 0, (counters, config)
-        pytest.fail(f"n-gram lost at concurrency 1 on copy-heavy tasks ({run.analysed.k_choices}): check the machine")
-    assert counters["num_drafts"] > 0, counters
-    assert counters["num_draft_tokens"] <= k1 * counters["num_drafts"]
-    assert max(p for p, v in counters["accepted_per_pos"].items() if v > 0) == k1 - 1  # it drafts k1, not fewer
-    assert {k: v for k, v in config.items() if "num_speculative" not in k} == {  # the swept settings, k aside
-        k: v for k, v in NGRAM.items() if k != "num_speculative_tokens"
-    }
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] <= 3 * counters["num_drafts"], counters
+    assert max(p for p, v in counters["accepted_per_pos"].items() if v > 0) == 2  # it drafts k=3, not fewer
 
 
 def test_vllm_bench_serve_against_specwise_serve_agrees_with_the_servers_log(vllm_python, tmp_path):
