@@ -16,13 +16,27 @@ from specwise.cli import (
     models,
     monitor,
     policy,
+    predict,
     report,
     serve,
     train_draft,
 )
 from specwise.errors import SpecwiseError
 
-SUBCOMMANDS = (generate, evaluate, serve, policy, export, export_hf, train_draft, report, monitor, compare, models)
+SUBCOMMANDS = (
+    generate,
+    evaluate,
+    predict,
+    serve,
+    policy,
+    export,
+    export_hf,
+    train_draft,
+    report,
+    monitor,
+    compare,
+    models,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

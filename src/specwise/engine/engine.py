@@ -751,6 +751,29 @@ class Engine:
                 self.costs.observe_pass(T, self._now() - t0)
         return {T: self.costs.pass_cost(T) or 0.0 for T in sizes}  # every size was just measured
 
+    def pass_costs(self, sizes: list[int], context: int = 8, repeats: int = 3) -> dict[int, float]:
+        """Median seconds of a target pass over T tokens for each T in `sizes`, its rows at positions `context` onward
+        on the scratch slot (what a verification pass of T rows costs: passes are unpadded, so T rows of several
+        sequences cost about what T rows of one do), for `specwise predict`."""
+        top = max(sizes, default=0)
+        if not sizes or min(sizes) < 1 or context < 0 or context + top > self.cache_len:
+            raise SpecwiseError(
+                f"pass sizes {sizes} at position {context} do not fit the cache of {self.cache_len} tokens "
+                "(sizes ≥ 1, position + size ≤ the cache)"
+            )
+        out = {}
+        with self._kernels_step():
+            scratch = self.max_batch
+            self._forward([0] * 8, list(range(8)), [scratch] * 8)  # warm-up
+            for T in sorted(set(sizes)):
+                times = []
+                for _ in range(repeats):
+                    t0 = self._now()
+                    self._forward([0] * T, list(range(context, context + T)), [scratch] * T)
+                    times.append(self._now() - t0)
+                out[T] = float(np.median(times))
+        return out
+
     def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -164,4 +164,5 @@ def _record(
         decode=s.decode_time,
         spec=s.counts(),
         verify=verify,  # "coupled": a seeded output is plain decoding's
+        tokens=list(result.token_ids),  # what `specwise predict` replays drafters over
     )

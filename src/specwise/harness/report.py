@@ -39,7 +39,8 @@ def _best_k_lines(a: Analysis) -> list[str]:
     return lines
 
 
-def _mark(clause: Clause) -> str:
+def mark(clause: Clause) -> str:
+    """A clause's mark on the console: ok, -- (neutral) or !!."""
     return "ok" if clause.ok else ("--" if clause.neutral else "!!")
 
 
@@ -173,7 +174,7 @@ def console_summary(run: Run) -> str:
                 f"VERDICT for {config} ({'concurrency' if kind == 'concurrent' else 'arrival rate'}): "
                 f"{v.headline(load_name(kind))}"
             )
-            lines += [f"  [{_mark(cl)}] {cl.text}" for cl in v.clauses]
+            lines += [f"  [{mark(cl)}] {cl.text}" for cl in v.clauses]
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ CREATE TABLE IF NOT EXISTS requests (
     groups TEXT NOT NULL, seed INTEGER, started REAL, finished REAL,
     output TEXT, prompt_tokens INTEGER, output_tokens INTEGER, finish_reason TEXT,
     ttft REAL, itl TEXT, e2e REAL, prefill REAL, decode REAL, spec TEXT,
-    error TEXT, validation TEXT, passed INTEGER, chunks TEXT,
+    error TEXT, validation TEXT, passed INTEGER, chunks TEXT, tokens TEXT,
     PRIMARY KEY (config, load, task_id, repeat)
 );
 """
@@ -59,13 +59,14 @@ class Record:
     validation: list[dict] = field(default_factory=list)
     passed: bool | None = None
     chunks: list[list[float]] = field(default_factory=list)  # [seconds since submission, characters] per chunk
+    tokens: list[int] | None = None  # the output's token ids, where the system gave them (specwise's engine)
 
     @property
     def key(self) -> tuple[str, str, str, int]:
         return (self.config, self.load, self.task_id, self.repeat)
 
 
-_JSON = ("groups", "itl", "spec", "validation", "chunks")
+_JSON = ("groups", "itl", "spec", "validation", "chunks", "tokens")
 
 
 class Store:
@@ -88,8 +89,9 @@ class Store:
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.executescript(SCHEMA)
                 columns = {r[1] for r in self.db.execute("PRAGMA table_info(requests)")}
-                if "chunks" not in columns:  # a file from before chunk sizes were recorded: add the column
-                    self.db.execute("ALTER TABLE requests ADD COLUMN chunks TEXT")
+                for column in ("chunks", "tokens"):  # a file from before these were recorded: add the column
+                    if column not in columns:
+                        self.db.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
             else:  # reading: touch nothing, and say so if this is not a results file
                 self.db = sqlite3.connect(sqlite_readonly_uri(self.path), uri=True)
                 tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -156,7 +158,7 @@ class Store:
         for row in cur.fetchall():
             d = dict(zip(names, row, strict=False))
             for k in _JSON:
-                d[k] = json.loads(d[k]) if d.get(k) is not None else ([] if k != "spec" else {})
+                d[k] = json.loads(d[k]) if d.get(k) is not None else {"spec": {}, "tokens": None}.get(k, [])
             spec = dict(d["spec"] or {})
             d["verify"] = spec.pop("verify", None)
             d["spec"] = SpecCounts.from_dict(spec) if spec else None

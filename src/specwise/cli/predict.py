@@ -1,0 +1,255 @@
+"""`specwise predict --from-run RUN.db --drafter D --k 1,2,4,8`: what speculation would do, before running it.
+
+The run's baseline outputs are replayed through the drafter for every k (`engine.replay`), a pass-cost curve of the
+run's target is measured on this machine once (cached under the specwise cache, keyed by CPU, kernel variant,
+target and context), and `harness.predict` turns both into the evaluation's own tables and verdicts, marked as
+predicted, beside what the run measured where it ran the same drafter and k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from specwise.cli.common import k_list_arg, precision_flags, write_file
+from specwise.errors import SpecwiseError
+from specwise.specs import DRAFTER_HELP
+
+COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    """This subcommand and its flags."""
+    p = sub.add_parser(
+        "predict", help="predict speedups and the verdict per group × load × k from a baseline run, without running"
+    )
+    p.add_argument("--from-run", required=True, metavar="RUN.db", help="a run whose baseline ran on specwise's engine")
+    p.add_argument("--drafter", required=True, help=f"the drafter to predict: {DRAFTER_HELP}")
+    p.add_argument("--k", type=k_list_arg, default=[1, 2, 4, 8], help="draft lengths to predict (default 1,2,4,8)")
+    p.add_argument("--workload", help="the run's workload file, if it moved (default: where the run read it)")
+    p.add_argument("--model", help="the run's target, if it moved (default: the model the run names)")
+    precision_flags(p)
+    p.add_argument("--costs", metavar="FILE", help="a pass-cost file to use instead of measuring (its CPU is trusted)")
+    p.add_argument("--json", metavar="FILE", help="also write the prediction as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specwise.harness.analyze import analyze, load_run
+    from specwise.harness.predict import baseline_records, predicted_run
+
+    ks = args.k
+    if any(not isinstance(k, int) or k < 1 for k in ks):
+        raise SpecwiseError(
+            f"--k {','.join(map(str, ks))}: predict takes fixed draft lengths ≥ 1 (auto adapts to timing)"
+        )
+    measured = load_run(args.from_run)
+    records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
+    if args.drafter.startswith("eagle:"):
+        raise SpecwiseError(
+            "--drafter eagle:…: a trained head drafts from the target's hidden states, which replay does not compute "
+            "yet; predict takes ngram, suffix, model:, int8 and layerskip: drafters"
+        )
+    sampled = measured.plan.temperature > 0
+    if sampled and not args.drafter.startswith(("ngram", "suffix")):
+        raise SpecwiseError(
+            f"--drafter {args.drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
+            "a draft model's proposals there depend on its own noise"
+        )
+    engine, replays, costs, name = _replay(args, measured, records, ks)
+    predicted = predicted_run(measured, replays, name, costs)
+    predicted.analysis = analyze(predicted)
+    text, doc = _summary(measured, predicted, name, costs, sum(r.open_steps for r in replays))
+    print(text)
+    if args.json:
+        write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")
+    del engine
+    return 0
+
+
+def _replay(args, measured, records, ks):
+    """Load the run's target, rebuild each prompt, replay every baseline output for every k; measure (or read) the
+    pass-cost curve."""
+    from specwise.engine import Engine, SamplingParams, load_target
+    from specwise.engine.drafters import make_drafter
+    from specwise.engine.replay import replay
+    from specwise.harness.backends import WARM_UP
+    from specwise.harness.evaluate import workload_from
+    from specwise.harness.predict import Replay
+    from specwise.harness.provenance import Target
+    from specwise.specs import HARNESS_MAX_LEN, TargetOptions
+
+    plan = measured.plan
+    options = TargetOptions(args.model or plan.model, "cpu", args.dtype, args.quantize, args.activations)
+    target = load_target(options)
+    differs = measured.provenance.served_target.difference(Target.read(target.identity.to_dict()))
+    if differs:
+        raise SpecwiseError(
+            f"{measured.path} measured another target than {options.model or 'the embedded model'} loads as "
+            f"({differs}): give the run's model with --model and its precision flags"
+        )
+    engine = Engine(target, max_batch=1, max_len=HARNESS_MAX_LEN)
+    source = args.workload or plan.source or plan.workload
+    tasks = {t.id: t for t in workload_from(source.removeprefix("builtin:")).tasks}
+    prompts: dict[str, list[int]] = {}
+    for r in records:
+        task = tasks.get(r.task_id)
+        if task is None:
+            raise SpecwiseError(
+                f"the workload has no task {r.task_id!r} that the run measured: give the run's with --workload"
+            )
+        ids = prompts.setdefault(r.task_id, engine.encode_prompt(task.request))
+        if len(ids) != r.prompt_tokens:
+            raise SpecwiseError(
+                f"task {r.task_id!r} encodes to {len(ids)} prompt tokens, the run's to {r.prompt_tokens}: the workload "
+                "changed since the run (give the one it ran with --workload)"
+            )
+    warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]  # the run's first request
+    load_order = {ld.name: i for i, ld in enumerate(plan.loads)}
+    ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
+    limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
+    replays = []
+    name = None
+    for k in ks:
+        drafter = make_drafter(args.drafter, target, 1, engine.cache_len)
+        name = drafter.name
+        replay(drafter, engine.encode_prompt(WARM_UP[0]), warm.token_ids, k, WARM_UP[1], engine.max_len)
+        for r in ordered:
+            assert r.tokens is not None  # baseline_records checked
+            out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
+            replays.append(Replay(r.key, k, out.counts, out.open_steps))
+    costs = _costs(args, measured, engine, target, records, ks)
+    return engine, replays, costs, name
+
+
+def _costs(args, measured, engine, target, records, ks):
+    """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now (and cached). A curve
+    from another CPU or kernel variant than the run's is refused unless given with --costs."""
+    from specwise.harness.facts import hardware
+    from specwise.harness.predict import PassCosts, machine_id
+    from specwise.paths import cache_root
+
+    sha = target.identity.sha256
+    if args.costs:
+        costs = PassCosts.read(Path(args.costs))
+        if costs.target_sha256 != sha:
+            raise SpecwiseError(
+                f"--costs {args.costs} was measured on target {costs.target_sha256[:12]}…, the run's is {sha[:12]}…"
+            )
+        return costs
+    hw = measured.provenance.hardware
+    here = hardware()["cpu"]
+    if (hw.cpu and hw.cpu != here) or (hw.kernels and hw.kernels != target.model.kernels):
+        raise SpecwiseError(
+            f"{measured.path} was measured on {hw.cpu} with kernels {hw.kernels}; this machine is {here} with "
+            f"{target.model.kernels}: its pass costs would not be the run's. Predict on the run's machine, or give "
+            "a cost file measured there with --costs FILE"
+        )
+    concurrency = max(ld.value for ld in measured.plan.loads if ld.kind == "concurrent")
+    top = int(concurrency) * (max(ks) + 1)
+    sizes = [s for s in COST_SIZES if s < top] + [top]
+    lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
+    context = min(64 * (lengths[len(lengths) // 2] // 64), engine.cache_len - top)  # the median context, rounded
+    key = hashlib.sha256(f"{machine_id()}|{target.model.kernels}|{sha}|{context}".encode()).hexdigest()[:16]
+    path = cache_root() / "pass-costs" / f"{key}.json"
+    if path.is_file():
+        try:
+            cached = PassCosts.read(path)
+            if max(cached.seconds) >= top:
+                return cached
+        except SpecwiseError:
+            pass  # a damaged cache file is measured again
+    print(f"measuring pass costs (sizes 1–{top}, context {context}) …", file=sys.stderr)
+    seconds = engine.pass_costs(sizes, context=context)
+    costs = PassCosts(seconds, machine_id(), target.model.kernels, sha, hardware()["cpu_threads"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, json.dumps(costs.to_json(), indent=2) + "\n")
+    return costs
+
+
+def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple[str, dict]:
+    """The prediction for people (per group × load × k, beside what the run measured), and as JSON."""
+    from specwise.harness.predict import measured_twin
+    from specwise.harness.report import mark
+    from specwise.harness.verdict import load_name
+    from specwise.speccounts import SpecCounts
+
+    a = predicted.analysed
+    measured_cells = {(c.config, c.load, c.group): c for c in measured.analysed.comparisons}
+    k_of = {c.name: c.k for c in predicted.plan.configs[1:]}
+    counts: dict[tuple[str, str, str], SpecCounts] = {}
+    for r in predicted.records:
+        if r.config in k_of and r.spec is not None:
+            for g in r.groups:
+                counts.setdefault((r.config, r.load, g), SpecCounts()).add(r.spec)
+    n_base = sum(r.config == a.baseline for r in predicted.records)
+    lines = [
+        f"PREDICTED from the baseline of {measured.path} ({n_base} records): {drafter}, acceptance replayed from "
+        "the baseline's outputs, pass costs "
+        f"measured on {costs.cpu} ({costs.kernels})",
+        *(
+            [f"{open_steps} steps drafted past an output's end (EOS, a stop string): acceptance there is a lower bound"]
+            if open_steps
+            else []
+        ),
+        "",
+        f"{'k':>3} {'load':>14} {'group':>12} {'n':>3} {'MAL':>5} {'predicted E2E ×  [95% CI]':>26} "
+        f"{'measured E2E ×  [95% CI]':>26}",
+    ]
+    cells = []
+    for c in a.comparisons:
+        k = k_of[c.config]
+        sc = counts.get((c.config, c.load, c.group), SpecCounts())
+        twin = measured_twin(measured, drafter, k)
+        m = measured_cells.get((twin, c.load, c.group)) if twin else None
+        e = c.e2e_speedup
+        shown = f"{m.e2e_speedup.value:>7.2f}x [{m.e2e_speedup.lo:.2f}–{m.e2e_speedup.hi:.2f}]" if m else "—"
+        mal = sc.mean_acceptance_length
+        lines.append(
+            f"{k:>3} {c.load:>14} {c.group:>12} {c.n:>3} {mal or 0:>5.2f} "
+            f"{e.value:>10.2f}x [{e.lo:.2f}–{e.hi:.2f}] {shown:>26}"
+        )
+        cells.append(
+            {
+                "k": k,
+                "load": c.load,
+                "group": c.group,
+                "n": c.n,
+                "mean_acceptance_length": mal,
+                "acceptance_rate": sc.acceptance_rate,
+                "predicted_e2e_speedup": e.to_dict(),
+                "predicted_decode_speedup": c.decode_speedup.to_dict() if c.decode_speedup else None,
+                "measured_e2e_speedup": m.e2e_speedup.to_dict() if m else None,
+            }
+        )
+    if a.k_choices:
+        lines += ["", "one k per load (as specwise export-config would take it), predicted:"]
+        lines += [f"  {c.text()}" for c in a.k_choices]
+    verdicts = {}
+    for config, by_kind in a.verdicts.items():
+        for kind, v in by_kind.items():
+            headline = v.headline(load_name(kind))
+            lines += ["", f"PREDICTED VERDICT for {drafter} k={k_of[config]} (concurrency): {headline}"]
+            lines += [f"  [{mark(cl)}] {cl.text}" for cl in v.clauses]
+            verdicts[str(k_of[config])] = {
+                "decision": v.decision,
+                "headline": headline,
+                "clauses": [{"ok": cl.ok, "neutral": cl.neutral, "text": cl.text} for cl in v.clauses],
+            }
+    doc = {
+        "predicted": True,
+        "from_run": str(measured.path),
+        "drafter": drafter,
+        "costs": costs.to_json(),
+        "open_steps": open_steps,
+        "cells": cells,
+        "k_choices": [
+            {"load": c.load, "concurrency": c.concurrency, "k": c.k, "groups_won": c.groups_won, "groups": c.groups}
+            for c in a.k_choices
+        ],
+        "verdicts": verdicts,
+    }
+    return "\n".join(lines), doc

@@ -1,0 +1,204 @@
+"""`specwise predict`: the verdict before the run, from a baseline run and a pass-cost curve (no torch here).
+
+Acceptance comes replayed from the baseline's own outputs (`engine.replay`: exact at temperature 0 and for coupled
+sampling); time from the baseline's measured decode time, scaled per verification step by what the cost curve says a
+pass with the draft's rows costs against a plain pass at the same load:
+
+    predicted decode = steps × (baseline seconds per plain step) × t(c·(1 + drafted per step)) / t(c) + drafting
+
+where c is the load's concurrency (closed-loop loads only: an open-loop batch has no fixed size) and t(T) the
+measured seconds of a pass over T tokens. Prefill and queueing are the baseline's. The predicted records then go
+through the evaluation's own analysis (`analyze.analyze`): the same paired speedups with bootstrap intervals, the
+same k choice per load and the same verdict rules, each marked as predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specwise.errors import SpecwiseError
+from specwise.harness.config import Config
+from specwise.harness.results import Run
+from specwise.harness.store import Record
+from specwise.speccounts import SpecCounts
+
+COSTS_FORMAT = "specwise-pass-costs/1"
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Measured seconds of a target pass over T tokens on one machine, kernel variant and target."""
+
+    seconds: dict[int, float]  # T → median seconds
+    cpu: str  # the machine as `machine_id` names it
+    kernels: str | None  # the engine's kernel variant
+    target_sha256: str
+    threads: int | None = None
+
+    def at(self, tokens: float) -> float:
+        """Seconds for a pass of `tokens` tokens (fractional: an average row count): interpolated on the measured
+        sizes, extrapolated linearly beyond them, never below a smaller size's (noise must not make rows free)."""
+        sizes = sorted(self.seconds)
+        xs = np.array(sizes, dtype=float)
+        ys = np.maximum.accumulate(np.array([self.seconds[s] for s in sizes], dtype=float))
+        if len(xs) == 1 or tokens <= xs[-1]:
+            return float(np.interp(tokens, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + slope * (tokens - xs[-1]))
+
+    def to_json(self) -> dict:
+        return {
+            "format": COSTS_FORMAT,
+            "cpu": self.cpu,
+            "kernels": self.kernels,
+            "target_sha256": self.target_sha256,
+            "threads": self.threads,
+            "seconds": {str(k): v for k, v in sorted(self.seconds.items())},
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> PassCosts:
+        """A cost file as `to_json` writes it; anything else is refused with what was wrong."""
+        if not isinstance(doc, dict) or doc.get("format") != COSTS_FORMAT:
+            raise SpecwiseError(f"{where} is not a pass-cost file (a JSON object with format {COSTS_FORMAT!r})")
+        seconds = doc.get("seconds")
+        try:
+            table = {int(k): float(v) for k, v in seconds.items()} if isinstance(seconds, dict) else {}
+        except (TypeError, ValueError):
+            table = {}
+        if not table or min(table) < 1 or not all(math.isfinite(v) and v > 0 for v in table.values()):
+            raise SpecwiseError(f"{where}: 'seconds' must map pass sizes ≥ 1 to positive seconds")
+        for key in ("cpu", "target_sha256"):
+            if not isinstance(doc.get(key), str) or not doc[key]:
+                raise SpecwiseError(f"{where}: {key!r} must be a non-empty string")
+        kernels, threads = doc.get("kernels"), doc.get("threads")
+        if kernels is not None and not isinstance(kernels, str):
+            raise SpecwiseError(f"{where}: 'kernels' must be a string or null")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise SpecwiseError(f"{where}: 'threads' must be an integer ≥ 1 or null")
+        return cls(table, doc["cpu"], kernels, doc["target_sha256"], threads)
+
+    @classmethod
+    def read(cls, path: Path) -> PassCosts:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SpecwiseError(f"cannot read pass-cost file {str(path)!r}: {exc}") from None
+        return cls.from_json(doc, str(path))
+
+
+def machine_id() -> str:
+    """This CPU as costs are keyed: model name, family and model number (several EPYC generations share a name)."""
+    fields = {"model name": "", "cpu family": "", "model": ""}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in fields and not fields[key.strip()]:
+                    fields[key.strip()] = value.strip()
+                if not line.strip() and fields["model name"]:
+                    break
+    except OSError:
+        pass
+    name = fields["model name"] or "unknown CPU"
+    return f"{name} (family {fields['cpu family'] or '?'} model {fields['model'] or '?'})"
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One baseline record's replayed speculation with one drafter and k (from `engine.replay`)."""
+
+    key: tuple[str, str, str, int]  # the baseline record's (config, load, task, repeat)
+    k: int
+    counts: SpecCounts
+    open_steps: int = 0
+
+
+def baseline_records(run: Run) -> list[Record]:
+    """The baseline's successful records at closed-loop loads, with their token ids; a clear error otherwise."""
+    base = run.plan.baseline.name
+    records = [r for r in run.records if r.config == base]
+    if not records:
+        raise SpecwiseError(f"{run.path} has no records of its baseline {base!r}: predict replays its outputs")
+    closed = {ld.name for ld in run.plan.loads if ld.kind == "concurrent"}
+    usable = [r for r in records if r.error is None and r.load in closed]
+    if not usable:
+        raise SpecwiseError(
+            f"{run.path}: no successful baseline records at a closed-loop load (concurrent@N): predict needs a fixed "
+            "batch size to scale pass costs by"
+        )
+    missing = [r.task_id for r in usable if r.tokens is None]
+    if missing:
+        raise SpecwiseError(
+            f"{run.path}: {len(missing)} baseline records carry no output token ids (e.g. task {missing[0]!r}): "
+            "predict replays drafters over the target's own tokens, which specwise's engine records (evaluate "
+            "without --endpoint, this specwise or later)"
+        )
+    if run.plan.temperature > 0 and any(r.verify not in (None, "coupled") for r in usable):
+        raise SpecwiseError(
+            f"{run.path}: a sampled run verified by rejection sampling: its outputs depend on the drafts, so "
+            "acceptance cannot be replayed from the baseline (evaluate with --verify coupled)"
+        )
+    return usable
+
+
+def predicted_record(base: Record, replay: Replay, config: str, concurrency: float, costs: PassCosts) -> Record:
+    """The speculative record the cost model predicts for `base` (same output, same prefill, predicted decode)."""
+    counts = replay.counts
+    plain_steps = max(base.output_tokens - 1, 1)
+    per_step = (base.decode or 0.0) / plain_steps
+    c = max(concurrency, 1.0)
+    rows = 1.0 + (counts.drafted / counts.steps if counts.steps else 0.0)
+    scale = costs.at(c * rows) / costs.at(c)
+    decode = counts.steps * per_step * scale + counts.drafting_time * c  # a batch's drafts are proposed in turn
+    e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) + decode
+    return dataclasses.replace(
+        base,
+        config=config,
+        e2e=e2e,
+        decode=decode,
+        spec=counts,
+        itl=[],
+        chunks=[],
+        tokens=None,
+    )
+
+
+def predicted_run(run: Run, replays: list[Replay], drafter: str, costs: PassCosts) -> Run:
+    """`run`'s baseline beside one predicted configuration per k (`"<drafter> k=K (predicted)"`), its closed-loop
+    loads only, ready for `analyze.analyze`."""
+    base = {r.key: r for r in baseline_records(run)}
+    loads = [ld for ld in run.plan.loads if ld.kind == "concurrent"]
+    value = {ld.name: ld.value for ld in loads}
+    ks = sorted({r.k for r in replays})
+    configs = [run.plan.baseline] + [Config(config_name(drafter, k), drafter, k) for k in ks]
+    records = list(base.values())
+    for rp in replays:
+        b = base[rp.key]
+        records.append(predicted_record(b, rp, config_name(drafter, rp.k), value[b.load], costs))
+    plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
+    return dataclasses.replace(
+        run,
+        plan=plan,
+        records=records,
+        phase_seconds={},
+        server_counters={},
+        backgrounds=[],
+        stored_verdicts={},
+        analysis=None,
+    )
+
+
+def config_name(drafter: str, k: int) -> str:
+    return f"{drafter} k={k} (predicted)"
+
+
+def measured_twin(run: Run, drafter: str, k: int) -> str | None:
+    """The run's own configuration with this drafter and fixed k, if it measured one (to set beside a prediction)."""
+    return next((c.name for c in run.plan.configs[1:] if c.drafter == drafter and c.k == k), None)

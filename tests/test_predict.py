@@ -1,0 +1,152 @@
+"""`specwise predict` (issue 35): acceptance replayed from baseline outputs equals what a speculative run counts,
+token for token, for every drafter replay covers and k in {1, 4, 8}, greedy and seeded-coupled, alone and in a batch;
+the prediction goes through the evaluation's analysis; bad inputs are refused with what is wrong, nothing written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+
+import pytest
+from test_evaluate import cli
+
+from specwise.engine import Engine, SamplingParams
+from specwise.engine.drafters import make_drafter
+from specwise.engine.replay import replay
+from specwise.errors import SpecwiseError
+from specwise.harness.predict import PassCosts
+
+PROMPTS = [
+    "Repeat exactly: red, green, blue, red, green, blue, red, green, blue.",
+    "Write a short note about the weather in Paris.",
+    "Copy this list: apple banana cherry apple banana cherry apple banana cherry.",
+]
+MAX_NEW = 40
+
+
+def _counts(stats) -> tuple:
+    return (stats.steps, stats.drafted, stats.accepted, stats.drafted_per_position, stats.accepted_per_position)
+
+
+def _replayed(target, spec: str, k: int, prompts_ids, outputs, params, cache_len: int, max_len: int):
+    drafter = make_drafter(spec, target, 1, cache_len)
+    return [replay(drafter, p, o, k, params.max_new_tokens, max_len) for p, o in zip(prompts_ids, outputs, strict=True)]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip:20"])
+def test_replayed_acceptance_equals_the_speculative_runs_own_counts_alone(embedded, spec, k):
+    """One request at a time (concurrency 1): every drafter, the suffix drafter's history included (each request's
+    output joins it as the run's did, in order)."""
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    plain = Engine(embedded, max_batch=1)
+    outputs = [plain.generate(p, params)[0].token_ids for p in PROMPTS]
+    engine = Engine(embedded, drafter=spec, k=k, max_batch=1)
+    spec_results = [engine.generate(p, params)[0] for p in PROMPTS]
+    assert [r.token_ids for r in spec_results] == outputs  # greedy: the outputs replay walks are the run's
+    ids = [plain.encode_prompt(p) for p in PROMPTS]
+    replayed = _replayed(embedded, spec, k, ids, outputs, params, engine.cache_len, engine.max_len)
+    assert [_counts(r.counts) for r in replayed] == [_counts(r.stats) for r in spec_results]
+    assert sum(r.counts.drafted for r in replayed) > 0  # something was drafted: the equality is not vacuous
+    assert all(r.open_steps == 0 for r in replayed)  # greedy, 40 tokens: no draft reached past an EOS here
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_replayed_acceptance_equals_a_batched_seeded_coupled_run(embedded, k):
+    """In a batch of 3, sampled at temperature 0.8 with seeds, coupled verification: the speculative outputs are plain
+    decoding's with the same seeds, so n-gram replay over them gives the batch's own counts."""
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=11 + i) for i in range(len(PROMPTS))]
+    plain = Engine(embedded, max_batch=3).generate(PROMPTS, params)
+    engine = Engine(embedded, drafter="ngram", k=k, max_batch=3, verify="coupled")
+    spec_results = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in spec_results] == [r.token_ids for r in plain]
+    drafter = make_drafter("ngram", embedded, 1, engine.cache_len)
+    for p, base, s, sp in zip(PROMPTS, plain, spec_results, params, strict=True):
+        out = replay(drafter, engine.encode_prompt(p), base.token_ids, k, sp.max_new_tokens, engine.max_len)
+        if out.open_steps == 0:
+            assert _counts(out.counts) == _counts(s.stats)
+        else:  # the draft reached past EOS there: the run may have accepted more than the output shows
+            assert out.counts.steps == s.stats.steps and out.counts.accepted <= s.stats.accepted
+    assert sum(r.stats.drafted for r in spec_results) > 0
+
+
+def test_replay_never_drafts_past_max_tokens_and_counts_the_prefill_token_as_no_step(embedded):
+    tokens = list(range(5, 25))  # any ids: an n-gram drafter over a repeating prompt
+    prompt = tokens * 3
+    out = replay(make_drafter("ngram", embedded, 1, 4096), prompt, tokens[:10], 8, 10, 4096)
+    assert out.counts.steps >= 1 and out.counts.accepted + out.counts.steps == 10 - 1  # every token after the first
+    assert all(d <= 8 for d in [len(out.counts.drafted_per_position)])
+    assert out.counts.drafted <= 8 * out.counts.steps and out.open_steps == 0
+
+
+@pytest.fixture(scope="module")
+def baseline_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("predict") / "run"
+    cli(
+        "evaluate", "--drafter", "ngram", "--k", "1,4", "--tasks", "6", "--max-tokens", "48",
+        "--concurrency", "1,2", "--out", out, "--no-progress",
+    )  # fmt: skip
+    return out / "run.db"
+
+
+def test_predict_from_a_run_sets_predicted_beside_measured_and_chooses_k_per_load(baseline_run, tmp_path):
+    out = tmp_path / "p.json"
+    proc = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "1,2,4", "--json", out)
+    assert "PREDICTED from the baseline of" in proc.stdout and "PREDICTED VERDICT for ngram k=2" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["predicted"] is True and doc["drafter"] == "ngram"
+    cells = doc["cells"]
+    assert {c["k"] for c in cells} == {1, 2, 4} and {c["load"] for c in cells} == {"concurrent@1", "concurrent@2"}
+    # k=1 and k=4 were measured: set beside the prediction; k=2 was not.
+    assert all((c["measured_e2e_speedup"] is not None) == (c["k"] != 2) for c in cells)
+    assert {c["load"] for c in doc["k_choices"]} == {"concurrent@1", "concurrent@2"}
+    # Replayed acceptance is the measured one: the run's own counts for k=1 and k=4, pooled per group and load.
+    con = sqlite3.connect(baseline_run)
+    rows = con.execute("SELECT config, load, groups, spec FROM requests WHERE config != 'baseline'").fetchall()
+    for c in (c for c in cells if c["k"] in (1, 4)):
+        name = f"ngram k={c['k']}"
+        cell = (name, c["load"])
+        specs = [json.loads(s) for cfg, ld, g, s in rows if (cfg, ld) == cell and c["group"] in json.loads(g)]
+        steps, accepted = sum(s["steps"] for s in specs), sum(s["accepted"] for s in specs)
+        assert c["mean_acceptance_length"] == pytest.approx((accepted + steps) / steps)
+    costs = PassCosts.from_json(doc["costs"], "the prediction")
+    assert costs.at(1) > 0 and costs.at(10) >= costs.at(2)
+
+
+def test_predict_refuses_what_it_cannot_replay(baseline_run, tmp_path):
+    bad = cli("predict", "--from-run", baseline_run, "--drafter", "eagle:/nowhere", check=False)
+    assert bad.returncode == 2 and "hidden states" in bad.stderr
+    bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "auto", check=False)
+    assert bad.returncode == 2 and "fixed draft lengths" in bad.stderr
+    # A run whose records carry no token ids (an older run, or a server's): what is missing, nothing written.
+    old = tmp_path / "old.db"
+    old.write_bytes(baseline_run.read_bytes())
+    with sqlite3.connect(old) as con:
+        con.execute("UPDATE requests SET tokens = NULL")
+    out = tmp_path / "p.json"
+    bad = cli("predict", "--from-run", old, "--drafter", "ngram", "--json", out, check=False)
+    assert bad.returncode == 2 and "carry no output token ids" in bad.stderr and not out.exists()
+    with sqlite3.connect(old) as con:
+        con.execute("DELETE FROM requests WHERE config = 'baseline'")
+    bad = cli("predict", "--from-run", old, "--drafter", "ngram", check=False)
+    assert bad.returncode == 2 and "no records of its baseline" in bad.stderr
+    # A cost file for another target, and one that is not a cost file.
+    doc = json.loads(cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "1", "--json", out).stdout
+                     and out.read_text())["costs"]  # fmt: skip
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**doc, "target_sha256": "0" * 64}))
+    bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--costs", other, check=False)
+    assert bad.returncode == 2 and "measured on target 000000000000" in bad.stderr
+    other.write_text(json.dumps({**doc, "seconds": {"0": 1.0}}))
+    bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--costs", other, check=False)
+    assert bad.returncode == 2 and "pass sizes ≥ 1 to positive seconds" in bad.stderr
+
+
+def test_pass_costs_interpolate_and_never_fall_with_more_rows():
+    costs = PassCosts({1: 1.0, 4: 0.9, 8: 2.0}, "cpu", "avx2", "ab" * 32)
+    assert costs.at(1) == 1.0 and costs.at(4) == 1.0  # the dip at 4 is noise: a longer pass is never cheaper
+    assert costs.at(6) == pytest.approx(1.5) and costs.at(12) == pytest.approx(3.0)  # interpolated, extrapolated
+    with pytest.raises(SpecwiseError, match="not a pass-cost file"):
+        PassCosts.from_json({"seconds": {}}, "x.json")
+    assert dataclasses.replace(costs, seconds={1: 2.0}).at(5) == 2.0
