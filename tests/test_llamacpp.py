@@ -28,6 +28,18 @@ COPY = [
 ]
 
 
+def write_chat_workload(path: Path, prompts: list[str], max_tokens: int) -> Path:
+    """A workload file of one chat task per prompt (ids c0, c1, …), for evaluating a server on them."""
+    path.write_text(
+        "tasks:\n"
+        + "".join(
+            f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], max_tokens: {max_tokens}}}\n"
+            for i, p in enumerate(prompts)
+        )
+    )
+    return path
+
+
 def llama_server() -> str:
     proc = subprocess.run(
         [str(ROOT / "scripts" / "llama-server.sh"), "--find-only"],
@@ -45,14 +57,7 @@ def llama_server() -> str:
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama")
-    work = tmp / "copy.yaml"
-    work.write_text(
-        "tasks:\n"
-        + "".join(
-            f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], max_tokens: 32}}\n"
-            for i, p in enumerate(COPY)
-        )
-    )
+    work = write_chat_workload(tmp / "copy.yaml", COPY, 32)
     port = free_port()
     base = f"{llama_server()} -m {embedded_model_path()} --port {port} -t 2 -c 4096 --parallel 4 --metrics"
     spec = f"{base} --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 8"

@@ -301,16 +301,10 @@ def test_monitor_flags_an_unfamiliar_window_and_not_a_familiar_one(tmp_path):
 
     import httpx
     from test_evaluate import cli
+    from test_llamacpp import write_chat_workload
     from test_server import free_port
 
-    work = tmp_path / "w.yaml"
-    work.write_text(
-        "tasks:\n"
-        + "".join(
-            f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], max_tokens: 32}}\n"
-            for i, p in enumerate(COPY_HEAVY)
-        )
-    )
+    work = write_chat_workload(tmp_path / "w.yaml", COPY_HEAVY, 32)
     cli(
         "evaluate",
         "--workload",

@@ -150,3 +150,23 @@ def test_pass_costs_interpolate_and_never_fall_with_more_rows():
     with pytest.raises(SpecwiseError, match="not a pass-cost file"):
         PassCosts.from_json({"seconds": {}}, "x.json")
     assert dataclasses.replace(costs, seconds={1: 2.0}).at(5) == 2.0
+
+
+@pytest.mark.parametrize("spec", ["layerskip:20", "int8"])
+def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_does(embedded, spec):
+    """The draft model's guesses after every prefix of the output (one pass) give the same counts as asking it to
+    draft at every step, for every k — on row-invariant kernels the guesses are the tokens it would draft."""
+    from specwise.engine.replay import can_guess, greedy_guesses, replay_guesses
+
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    plain = Engine(embedded, max_batch=1)
+    drafter = make_drafter(spec, embedded, 1, plain.cache_len)
+    assert can_guess(drafter)
+    for prompt in PROMPTS:
+        ids, out = plain.encode_prompt(prompt), plain.generate(prompt, params)[0].token_ids
+        guesses = greedy_guesses(drafter, ids, out)
+        assert len(guesses) == len(out)
+        for k in (1, 4, 8):
+            fast = replay_guesses(guesses, len(ids), out, k, MAX_NEW, plain.max_len)
+            slow = replay(drafter, ids, out, k, MAX_NEW, plain.max_len)
+            assert _counts(fast.counts) == _counts(slow.counts) and fast.open_steps == slow.open_steps, (prompt, k)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_evaluate import cli
-from test_llamacpp import COPY
+from test_llamacpp import COPY, write_chat_workload
 from test_server import free_port, serve_process
 
 from specwise.harness.analyze import load_run
@@ -62,65 +62,6 @@ def serve_command(python: str, hf: Path, port: int, extra: str = "") -> str:
     ).strip()
 
 
-def test_evaluate_launches_real_vllm_and_reads_its_speculation_per_request_and_from_its_counters(
-    vllm_python, hf_dir, tmp_path
-):
-    port = free_port()
-    serve = serve_command(vllm_python, hf_dir, port)
-    ngram = f"{serve} --speculative-config '{json.dumps(NGRAM)}' --per-request-spec-decode-metrics detailed"
-    proc = cli(
-        "evaluate",
-        "--endpoint",
-        f"http://127.0.0.1:{port}",
-        "--launch",
-        f"vllm-base={serve}",
-        "--launch",
-        f"vllm-ngram={ngram}",
-        "--tasks",
-        "3",
-        "--max-tokens",
-        "32",
-        "--concurrency",
-        "1,2",
-        "--out",
-        tmp_path / "out",
-        "--no-progress",
-        timeout=900,
-    )
-    run = load_run(tmp_path / "out" / "run.db")
-    assert run.analysis.configs == ["vllm-base", "vllm-ngram"]
-    assert len(run.records) == 3 * 2 * 2 and all(r.error is None for r in run.records), [
-        r.error for r in run.records if r.error
-    ]
-    assert all(r.output and r.output_tokens > 0 and r.ttft is not None for r in run.records)
-    servers = {name: f.server for name, f in run.provenance.facts.items()}
-    assert servers == {n: {"kind": "vllm", "version": "0.32.0"} for n in ("vllm-base", "vllm-ngram")}
-    # The target is named: the export's own hash, its precision, and the GGUF it derives from.
-    target, manifest = run.provenance.served_target, read_manifest(hf_dir)
-    assert target.precision == "bfloat16" and target.source_sha256 == manifest["source_sha256"]
-    assert target.sha256 and target.sha256 != target.source_sha256
-    assert f"derived from {manifest['source_sha256'][:12]}" in console_summary(run)
-    # Per request (vLLM's detailed metrics) and per phase (its counters) tell the same story.
-    spec = run.server_counters["vllm-ngram|concurrent@1"][0]
-    assert spec.source == "vllm" and spec.num_drafts > 0 and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
-    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens  # vLLM's per-position counters, read
-    per_request = [r.spec for r in run.records if r.config == "vllm-ngram" and r.load == "concurrent@1"]
-    assert all(s is not None and s.steps > 0 for s in per_request)
-    assert sum(s.drafted for s in per_request if s) == spec.num_draft_tokens
-    assert sum(s.accepted for s in per_request if s) == spec.num_accepted_tokens
-    assert not any(k.startswith("vllm-base|") for k in run.server_counters)  # no spec-decode counters without it
-    rows = [r for r in run.analysed.table if r.config == "vllm-ngram"]
-    assert all(r.acceptance_rate is not None and r.mean_acceptance_length for r in rows)
-    figures = plots(run)
-    assert "no data" not in figures["acceptance_by_position"] and "no data" not in figures["acceptance_histogram"]
-    assert run.analysis.determinism  # the fair audit compared vLLM's baseline with itself across loads
-    # 3 tasks: one or two per group, nothing to count — the verdict says so and what would decide, not REJECT.
-    assert "VERDICT for vllm-ngram (concurrency): INCONCLUSIVE" in proc.stdout
-    assert "too few paired tasks to decide" in proc.stdout and "--repeats 4" in proc.stdout
-    with pytest.raises(httpx.ConnectError):  # both servers were stopped
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-
-
 @contextlib.contextmanager
 def started(command: str, url: str, log: Path, timeout: float = 300):
     env, argv = split(command)
@@ -145,24 +86,23 @@ def started(command: str, url: str, log: Path, timeout: float = 300):
             proc.kill()
 
 
-def test_a_k_sweep_on_vllm_exports_a_config_that_vllm_starts_with_and_drafts_by(vllm_python, hf_dir, tmp_path):
-    """Three behaviours, none of which depends on who wins on this machine: the sweep measures every k through vLLM
-    (its counters bound each draft by that k); the export follows the measured table (refusing where it says off);
-    and a vLLM started with what the export writes for a table drafts by that table at batch size 1. Whether vLLM's
-    n-gram beats speculation-off on a 2-core CPU is a measurement (it did on one CI run and not on the next)."""
+def test_evaluate_launches_real_vllm_sweeps_k_and_exports_a_config_that_vllm_drafts_by(vllm_python, hf_dir, tmp_path):
+    """`evaluate --launch` starts and stops real vLLM servers (a baseline, n-gram at k=1 and k=3) and reads their
+    speculation per request (vLLM's detailed metrics) and from their counters, which agree; the run names the
+    target (the export's hash and the GGUF it derives from). Then three behaviours that do not depend on who wins
+    on this machine: each k is what vLLM ran (drafts bounded by it); the export follows the measured table
+    (refusing where it says off); and a vLLM started with what the export writes for a table drafts by that table
+    at batch size 1. Whether vLLM's n-gram beats speculation-off on a 2-core CPU is a measurement (it did on one CI
+    run and not on the next). One test, so vLLM starts four times, not six."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = serve_command(vllm_python, hf_dir, port)
     swept = {**NGRAM, "num_speculative_tokens": "{k}"}
-    ngram = f"{serve} --speculative-config '{json.dumps(swept).replace(chr(34) + '{k}' + chr(34), '{k}')}'"
-    work = tmp_path / "copy.yaml"  # copy-heavy tasks: the n-gram drafter has something to draft from
-    work.write_text(
-        "tasks:\n"
-        + "".join(
-            f"  - {{id: c{i}, messages: [{{role: user, content: {json.dumps(p)}}}], max_tokens: 48}}\n"
-            for i, p in enumerate(COPY)
-        )
+    ngram = (
+        f"{serve} --speculative-config '{json.dumps(swept).replace(chr(34) + '{k}' + chr(34), '{k}')}' "
+        "--per-request-spec-decode-metrics detailed"
     )
+    work = write_chat_workload(tmp_path / "copy.yaml", COPY, 48)  # the n-gram drafter has something to draft from
     cli(
         "evaluate",
         "--endpoint",
@@ -189,9 +129,35 @@ def test_a_k_sweep_on_vllm_exports_a_config_that_vllm_starts_with_and_drafts_by(
         ("ng k=1", "ngram:4", 1),
         ("ng k=3", "ngram:4", 3),
     ]
+    assert len(run.records) == len(COPY) * 3 * 2 and all(r.error is None for r in run.records), [
+        r.error for r in run.records if r.error
+    ]
+    assert all(r.output and r.output_tokens > 0 and r.ttft is not None for r in run.records)
+    servers = {name: f.server for name, f in run.provenance.facts.items()}
+    assert servers == {n: {"kind": "vllm", "version": "0.32.0"} for n in ("base", "ng k=1", "ng k=3")}
+    # The target is named: the export's own hash, its precision, and the GGUF it derives from.
+    target, manifest = run.provenance.served_target, read_manifest(hf_dir)
+    assert target.precision == "bfloat16" and target.source_sha256 == manifest["source_sha256"]
+    assert target.sha256 and target.sha256 != target.source_sha256
+    assert f"derived from {manifest['source_sha256'][:12]}" in console_summary(run)
     for name, k in (("ng k=1", 1), ("ng k=3", 3)):  # each k was what vLLM ran: drafts of at most k tokens
         spec = run.server_counters[f"{name}|concurrent@1"][0]
-        assert spec.num_drafts > 0 and spec.num_draft_tokens <= k * spec.num_drafts, (name, spec)
+        assert spec.source == "vllm" and spec.num_drafts > 0 and spec.num_draft_tokens <= k * spec.num_drafts
+        assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens, (name, spec)
+        assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens  # vLLM's per-position counters, read
+        # Per request (vLLM's detailed metrics) and per phase (its counters) tell the same story.
+        per_request = [r.spec for r in run.records if r.config == name and r.load == "concurrent@1"]
+        assert all(s is not None and s.steps > 0 for s in per_request)
+        assert sum(s.drafted for s in per_request if s) == spec.num_draft_tokens
+        assert sum(s.accepted for s in per_request if s) == spec.num_accepted_tokens
+    assert not any(k.startswith("base|") for k in run.server_counters)  # no spec-decode counters without it
+    rows = [r for r in run.analysed.table if r.config == "ng k=3"]
+    assert all(r.acceptance_rate is not None and r.mean_acceptance_length for r in rows)
+    figures = plots(run)
+    assert "no data" not in figures["acceptance_by_position"] and "no data" not in figures["acceptance_histogram"]
+    assert run.analysis.determinism  # the fair audit compared vLLM's baseline with itself across loads
+    with pytest.raises(httpx.ConnectError):  # every launched server was stopped
+        httpx.get(f"{url}/health", timeout=2)
     choices = {c.concurrency: c.k for c in run.analysed.k_choices}
     assert set(choices) == {1, 2} and set(choices.values()) <= {0, 1, 3}
     measured = cli("export-config", db, "--format", "vllm", check=False)

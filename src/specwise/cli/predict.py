@@ -74,8 +74,8 @@ def _replay(args, measured, records, ks):
     """Load the run's target, rebuild each prompt, replay every baseline output for every k; measure (or read) the
     pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
-    from specwise.engine.drafters import make_drafter
-    from specwise.engine.replay import replay
+    from specwise.engine.drafters import ModelDrafter, make_drafter
+    from specwise.engine.replay import can_guess, draft_token_seconds, greedy_guesses, replay, replay_guesses
     from specwise.harness.backends import WARM_UP
     from specwise.harness.evaluate import workload_from
     from specwise.harness.predict import Replay
@@ -112,15 +112,25 @@ def _replay(args, measured, records, ks):
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
-    name = None
-    for k in ks:
-        drafter = make_drafter(args.drafter, target, 1, engine.cache_len)
-        name = drafter.name
-        replay(drafter, engine.encode_prompt(WARM_UP[0]), warm.token_ids, k, WARM_UP[1], engine.max_len)
+    drafter = make_drafter(args.drafter, target, 1, engine.cache_len)
+    name = drafter.name
+    if can_guess(drafter) and plan.temperature == 0:  # a greedy draft model: one pass per output, every k from it
+        per_token = draft_token_seconds(drafter)
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
-            out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
-            replays.append(Replay(r.key, k, out.counts, out.open_steps))
+            guesses = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
+            for k in ks:
+                limit = limits[r.task_id]
+                out = replay_guesses(guesses, r.prompt_tokens, r.tokens, k, limit, engine.max_len, per_token)
+                replays.append(Replay(r.key, k, out.counts, out.open_steps, batched=True))
+    else:
+        for k in ks:
+            drafter = make_drafter(args.drafter, target, 1, engine.cache_len)  # a fresh history per k (suffix)
+            replay(drafter, engine.encode_prompt(WARM_UP[0]), warm.token_ids, k, WARM_UP[1], engine.max_len)
+            for r in ordered:
+                assert r.tokens is not None
+                out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
+                replays.append(Replay(r.key, k, out.counts, out.open_steps, batched=isinstance(drafter, ModelDrafter)))
     costs = _costs(args, measured, engine, target, records, ks)
     return engine, replays, costs, name
 

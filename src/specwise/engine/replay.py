@@ -10,6 +10,11 @@ accepted than the output shows: such steps are counted in `open_steps`, the repl
 
 Exact for model-free drafters (n-gram; suffix with its history replayed in the order requests finished) and for a
 draft model at temperature 0. Not exact for rejection-sampled runs, whose outputs depend on the drafts.
+
+A draft model at temperature 0 needs no drafting at all (`greedy_guesses`): one pass of it over prompt + output
+gives its greedy next token after every prefix of the output, and a draft is accepted exactly as far as those
+guesses match — on row-invariant kernels these are the very tokens drafting one at a time would have proposed (each
+accepted draft token is the output's own). Every k is replayed from the same guesses (`replay_guesses`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from specwise.engine.drafters.base import Drafter
+from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.noise import Noise
-from specwise.engine.sampling import SamplingParams
+from specwise.engine.sampling import SamplingParams, greedy
 from specwise.speccounts import SpecCounts
 
 
@@ -46,6 +54,11 @@ class Replayed:
     tokens: int = 0  # output tokens replayed
 
 
+def _room(prompt_len: int, p: int, k: int, max_new_tokens: int, max_len: int) -> int:
+    """The engine's draft length at output position p (`Engine._draft_len`): never past max_new_tokens or the cache."""
+    return max(0, min(k, min(max_len - (prompt_len + p), max_new_tokens - p) - 1))
+
+
 def replay(
     drafter: Drafter,
     prompt_ids: list[int],
@@ -65,8 +78,7 @@ def replay(
     p = min(1, n)
     try:
         while p < n:
-            room = min(max_len - len(view.token_ids), max_new_tokens - p) - 1
-            ke = max(0, min(k, room))
+            ke = _room(len(prompt_ids), p, k, max_new_tokens, max_len)
             draft: list[int] = []
             spent = 0.0
             if ke > 0:
@@ -83,3 +95,79 @@ def replay(
     finally:
         drafter.release(slot)
     return Replayed(counts, open_steps, n)
+
+
+CHUNK = 256  # rows per pass when a guess pass covers a long sequence
+
+
+def can_guess(drafter: Drafter) -> bool:
+    """Whether `drafter` is a draft model whose greedy drafts one pass can replay (row-invariant logits)."""
+    return isinstance(drafter, ModelDrafter) and bool(getattr(drafter.model, "batch_invariant", False))
+
+
+def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: list[int]) -> list[int]:
+    """guesses[j] = the draft model's greedy token after prompt + output[:j], for j = 1 … n-1 (guesses[0] unused),
+    from passes over the sequence on the drafter's own cache (slot 0; the drafter forgets it afterwards)."""
+    tokens = [*prompt_ids, *output_ids[:-1]]
+    first = len(prompt_ids)  # the row of output[0]: its logits guess output[1]
+    guesses = [-1]
+    dev = drafter.device
+    with torch.inference_mode():
+        for start in range(0, len(tokens), CHUNK):
+            chunk = tokens[start : start + CHUNK]
+            rows = [i - start for i in range(max(start, first), start + len(chunk))]
+            logits = drafter.model.forward_tokens(
+                drafter.cache,
+                torch.tensor(chunk, device=dev),
+                torch.arange(start, start + len(chunk), device=dev),
+                torch.zeros(len(chunk), dtype=torch.long, device=dev),
+                torch.tensor(rows or [len(chunk) - 1]),  # a prompt-only chunk: one row asked, none kept
+            )
+            if rows:
+                guesses += greedy(logits)
+    drafter.release(0)
+    return guesses
+
+
+def replay_guesses(
+    guesses: list[int],
+    prompt_len: int,
+    output_ids: list[int],
+    k: int,
+    max_new_tokens: int,
+    max_len: int,
+    seconds_per_draft_token: float = 0.0,
+) -> Replayed:
+    """`replay` for a greedy draft model from its guesses: accepted while guess and output agree, up to the step's
+    draft length. Drafting time is estimated as `seconds_per_draft_token` per drafted token (one draft forward each)."""
+    counts, open_steps = SpecCounts(), 0
+    n = len(output_ids)
+    p = min(1, n)
+    while p < n:
+        ke = _room(prompt_len, p, k, max_new_tokens, max_len)
+        a = 0
+        while a < ke and p + a < n and guesses[p + a] == output_ids[p + a]:
+            a += 1
+        open_steps += a < ke and p + a >= n
+        counts.observe_step(ke, a, ke * seconds_per_draft_token)
+        p += a + 1
+    return Replayed(counts, open_steps, n)
+
+
+def draft_token_seconds(drafter: ModelDrafter, repeats: int = 5) -> float:
+    """Median seconds of one one-token draft forward (what each drafted token costs a greedy draft model)."""
+    dev = drafter.device
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            drafter.model.forward_tokens(
+                drafter.cache,
+                torch.tensor([0], device=dev),
+                torch.tensor([i], device=dev),
+                torch.zeros(1, dtype=torch.long, device=dev),
+                torch.tensor([0]),
+            )
+            times.append(time.perf_counter() - t0)
+    drafter.release(0)
+    return float(sorted(times[1:])[len(times[1:]) // 2])

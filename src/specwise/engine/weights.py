@@ -223,7 +223,8 @@ def _native_weights(source: Path, directory: Path, cfg: ModelConfig, dtype: str,
         types = set(recorded.get("tensor_types", []))
         precision = _native_precision(True, dtype, quantize, types)
         if precision == "native":
-            weights = _cached_native(directory, cfg, lambda: _gguf_native(source, cfg), str(recorded.get("sha256")))
+            digest = recorded.get("sha256") or gguf_sha256(source)  # an older conversion record may lack it
+            weights = _cached_native(directory, cfg, lambda: _gguf_native(source, cfg), str(digest))
         else:
             weights = from_hf_state(cfg, _read_safetensors(dequantized_directory(source, directory)), precision)
     else:

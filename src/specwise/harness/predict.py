@@ -6,6 +6,8 @@ pass with the draft's rows costs against a plain pass at the same load:
 
     predicted decode = steps × (baseline seconds per plain step) × t(c·(1 + drafted per step)) / t(c) + drafting
 
+with drafting the replay's own (model-free drafters: measured while replaying, c rows in turn; a greedy draft
+model: one draft forward per drafted token, its batch costing t(c)/t(1) of one row's)
 where c is the load's concurrency (closed-loop loads only: an open-loop batch has no fixed size) and t(T) the
 measured seconds of a pass over T tokens. Prefill and queueing are the baseline's. The predicted records then go
 through the evaluation's own analysis (`analyze.analyze`): the same paired speedups with bootstrap intervals, the
@@ -118,6 +120,7 @@ class Replay:
     k: int
     counts: SpecCounts
     open_steps: int = 0
+    batched: bool = False  # a draft model: a batch's drafts share its passes (else each row drafts in turn)
 
 
 def baseline_records(run: Run) -> list[Record]:
@@ -156,7 +159,10 @@ def predicted_record(base: Record, replay: Replay, config: str, concurrency: flo
     c = max(concurrency, 1.0)
     rows = 1.0 + (counts.drafted / counts.steps if counts.steps else 0.0)
     scale = costs.at(c * rows) / costs.at(c)
-    decode = counts.steps * per_step * scale + counts.drafting_time * c  # a batch's drafts are proposed in turn
+    # A model-free drafter proposes for a batch's rows in turn; a draft model runs them in one pass, which costs
+    # about what the target's passes say c rows cost against one.
+    drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if replay.batched else c)
+    decode = counts.steps * per_step * scale + drafting
     e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) + decode
     return dataclasses.replace(
         base,

@@ -1,0 +1,115 @@
+"""`specwise predict` against the evaluation it predicts, side by side in one run (issue 35's targets).
+
+For each workload (the built-in release-notes, and benchmarks/data/edits.yaml, which no test and no built-in uses)
+and drafter: `specwise evaluate` with the baseline and the drafter at k=1 and k=4, at concurrency 1 and 4 (the
+measurement), then `specwise predict --from-run` on that run for the same ks (the prediction, costs measured on the
+first call and cached), and a predicted k sweep of 8 values. Over the cells with n ≥ 4 it prints:
+
+- the mean absolute error of the predicted E2E speedup, as a share of the measured one (target ≤ 10%);
+- the share of cells whose predicted 95% interval covers the measured point (target ≥ 80%);
+- the share of cells whose outcome class (wins: lower bound > 1, loses: upper bound < 1, else no clear difference —
+  what each verdict clause says of its cell) is the same predicted and measured (target ≥ 90%);
+- evaluate's wall time over predict's, for the same ks (target ≥ 10×) and for the 8-value sweep (target ≥ 30×; the
+  sweep's evaluation is estimated as the measured one scaled by the number of configurations it would run).
+
+    python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--tasks 24] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"release-notes": "release-notes", "edits (unseen)": str(ROOT / "benchmarks" / "data" / "edits.yaml")}
+SWEEP = "1,2,3,4,5,6,7,8"
+
+
+def specwise(*args: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "specwise.cli", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"specwise {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0, proc.stdout
+
+
+def outcome(iv: dict) -> str:
+    return "wins" if iv["lo"] > 1 else "loses" if iv["hi"] < 1 else "unclear"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", default="ngram,suffix,layerskip:20")
+    ap.add_argument("--tasks", type=int, default=24, help="tasks per workload (the built-in has 24, edits 12)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,4")
+    args = ap.parse_args()
+    cells, timing = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, workload in WORKLOADS.items():
+            for drafter in args.drafters.split(","):
+                out = Path(tmp) / f"{len(timing)}"
+                t_eval, _ = specwise(
+                    "evaluate", "--workload", workload, "--drafter", drafter, "--k", "1,4", "--tasks", str(args.tasks),
+                    "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency, "--out", str(out),
+                    "--no-progress", "--repeats", "2" if "edits" in label else "1",
+                )  # fmt: skip
+                db = str(out / "run.db")
+                specwise("predict", "--from-run", db, "--drafter", drafter, "--k", SWEEP)  # measures the costs once
+                pred = str(out / "p.json")
+                t_pred, _ = specwise("predict", "--from-run", db, "--drafter", drafter, "--k", "1,4", "--json", pred)
+                t_sweep, _ = specwise("predict", "--from-run", db, "--drafter", drafter, "--k", SWEEP)
+                doc = json.loads((out / "p.json").read_text())
+                timing.append((label, drafter, t_eval, t_pred, t_sweep))
+                for c in doc["cells"]:
+                    m = c["measured_e2e_speedup"]
+                    if m is None or c["n"] < 4:
+                        continue
+                    p = c["predicted_e2e_speedup"]
+                    cells.append(
+                        {
+                            "workload": label, "drafter": drafter, "k": c["k"], "load": c["load"],
+                            "group": c["group"], "n": c["n"], "predicted": p, "measured": m,
+                        }
+                    )  # fmt: skip
+                print(f"{label:>15} {drafter:>14}: evaluate {t_eval:6.1f} s, predict k=1,4 {t_pred:5.1f} s "
+                      f"({t_eval / t_pred:4.1f}x), predict 8 ks {t_sweep:5.1f} s "
+                      f"({t_eval * 9 / 3 / t_sweep:4.1f}x est.)", flush=True)  # fmt: skip
+    print()
+    print(f"{'workload':>15} {'drafter':>14} {'k':>2} {'load':>14} {'group':>12} {'n':>3} "
+          f"{'predicted [95% CI]':>22} {'measured':>9} {'err':>6}")  # fmt: skip
+    errors, covered, same = [], [], []
+    for c in cells:
+        p, m = c["predicted"], c["measured"]
+        err = abs(p["value"] - m["value"]) / m["value"]
+        errors.append(err)
+        covered.append(p["lo"] <= m["value"] <= p["hi"])
+        same.append(outcome(p) == outcome(m))
+        print(f"{c['workload']:>15} {c['drafter']:>14} {c['k']:>2} {c['load']:>14} {c['group']:>12} {c['n']:>3} "
+              f"{p['value']:>8.2f}x [{p['lo']:.2f}–{p['hi']:.2f}] {m['value']:>8.2f}x {100 * err:>5.1f}%")  # fmt: skip
+    if not cells:
+        raise SystemExit("no cell with n ≥ 4 was measured: raise --tasks")
+    print()
+    print(f"cells with n ≥ 4: {len(cells)}")
+    print(f"mean absolute error of the predicted E2E speedup: {100 * statistics.mean(errors):.1f}% of the measured "
+          f"(median {100 * statistics.median(errors):.1f}%; target ≤ 10%)")  # fmt: skip
+    print(
+        f"predicted interval covers the measured point: {100 * sum(covered) / len(cells):.0f}% of cells (target ≥ 80%)"
+    )
+    print(f"same outcome class (wins / loses / unclear): {100 * sum(same) / len(cells):.0f}% of cells (target ≥ 90%)")
+    ratios = [t_eval / t_pred for _, _, t_eval, t_pred, _ in timing]
+    sweeps = [t_eval * 9 / 3 / t_sweep for _, _, t_eval, _, t_sweep in timing]
+    print(
+        f"evaluate / predict, same ks: median {statistics.median(ratios):.1f}x (target ≥ 10x); 8-value sweep "
+        f"(evaluation estimated at 9/3 of the measured one): median {statistics.median(sweeps):.1f}x (target ≥ 30x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
