@@ -18,6 +18,7 @@ from specwise.cli.common import k_list_arg, precision_flags, write_file
 from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP
 
+PROBES = 3  # prompts of the run the step-overhead probe decodes, plainly and speculatively
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 
@@ -59,10 +60,11 @@ def run(args: argparse.Namespace) -> int:
             f"--drafter {args.drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
             "a draft model's proposals there depend on its own noise"
         )
-    engine, replays, costs, name = _replay(args, measured, records, ks)
-    predicted = predicted_run(measured, replays, name, costs)
+    engine, replays, costs, overhead, name = _replay(args, measured, records, ks)
+    predicted = predicted_run(measured, replays, name, costs, overhead)
     predicted.analysis = analyze(predicted)
     text, doc = _summary(measured, predicted, name, costs, sum(r.open_steps for r in replays))
+    doc["step_overhead"] = overhead.to_json()
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")
@@ -77,7 +79,7 @@ def _replay(args, measured, records, ks):
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.replay import can_guess, draft_token_seconds, greedy_guesses, replay, replay_guesses
     from specwise.harness.backends import WARM_UP
-    from specwise.harness.evaluate import workload_from
+    from specwise.harness.evaluate import engine_batch, workload_from
     from specwise.harness.predict import Replay
     from specwise.harness.provenance import Target
     from specwise.specs import HARNESS_MAX_LEN, TargetOptions
@@ -91,7 +93,7 @@ def _replay(args, measured, records, ks):
             f"{measured.path} measured another target than {options.model or 'the embedded model'} loads as "
             f"({differs}): give the run's model with --model and its precision flags"
         )
-    engine = Engine(target, max_batch=1, max_len=HARNESS_MAX_LEN)
+    engine = Engine(target, max_batch=engine_batch(plan.loads), max_len=HARNESS_MAX_LEN)  # as the run's was
     source = args.workload or plan.source or plan.workload
     tasks = {t.id: t for t in workload_from(source.removeprefix("builtin:")).tasks}
     prompts: dict[str, list[int]] = {}
@@ -131,8 +133,63 @@ def _replay(args, measured, records, ks):
                 assert r.tokens is not None
                 out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, batched=isinstance(drafter, ModelDrafter)))
-    costs = _costs(args, measured, engine, target, records, ks)
-    return engine, replays, costs, name
+    # Passes are timed on an engine that drafts, as the speculative run's were (it runs torch serially in a step).
+    drafting_engine = Engine(target, drafter=args.drafter, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
+    costs = _costs(args, measured, drafting_engine, target, records, ks)
+    del drafting_engine
+    chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
+    probes = [(tasks[t].request, limits[t]) for t in chosen]
+    overhead = _overhead(args.drafter, target, engine, probes, ks, costs)
+    return engine, replays, costs, overhead, name
+
+
+def _overhead(spec, target, engine, probes, ks, costs):
+    """The per-step overhead of speculating with `spec` on this machine: a few of the run's prompts decoded plainly
+    and with the drafter at k=1 and the largest k, one at a time; what the speculative steps took beyond the plain
+    step, their extra pass rows (the cost curve) and their drafting, fitted as base + per drafted token. Cached
+    beside the pass costs, per drafter and k."""
+    from specwise.engine import Engine, SamplingParams
+    from specwise.harness.backends import WARM_UP
+    from specwise.harness.predict import StepOverhead, extra_pass_seconds, machine_id
+    from specwise.paths import cache_root
+
+    top = max(ks)
+    key = hashlib.sha256(
+        f"{machine_id()}|{target.model.kernels}|{target.identity.sha256}|{spec}|{top}|{probes}".encode()
+    ).hexdigest()[:16]
+    path = cache_root() / "pass-costs" / f"overhead-{key}.json"
+    if path.is_file():
+        try:
+            return StepOverhead.from_json(json.loads(path.read_text()), str(path))
+        except (SpecwiseError, OSError, ValueError):
+            pass  # measured again
+    print(f"probing the step overhead of {spec} (k=1, k={top}, {len(probes)} prompts) …", file=sys.stderr)
+    plain = [engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats for p, n in probes]
+    points, scales = [], []
+    for k in sorted({1, top}):
+        spec_engine = Engine(target, drafter=spec, k=k, max_batch=engine.max_batch, max_len=engine.max_len)
+        spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
+        steps = drafted = 0
+        residual, prefill = 0.0, 0.0
+        for (p, n), b in zip(probes, plain, strict=True):
+            s = spec_engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats
+            base_step = b.decode_time / max(b.generated_tokens - 1, 1)
+            modelled = s.steps * base_step + extra_pass_seconds(s.counts(), 1, costs) + s.drafting_time
+            residual += s.decode_time - modelled
+            prefill += s.prefill_time
+            steps, drafted = steps + s.steps, drafted + s.drafted
+        if steps:
+            points.append((drafted / steps, residual / steps))
+        scales.append(prefill / max(sum(b.prefill_time for b in plain), 1e-9))
+        del spec_engine
+    if len(points) == 2 and points[1][0] - points[0][0] > 0.25:
+        slope = (points[1][1] - points[0][1]) / (points[1][0] - points[0][0])
+        overhead = StepOverhead(points[0][1] - slope * points[0][0], slope, sum(scales) / len(scales))
+    else:
+        overhead = StepOverhead(sum(r for _, r in points) / max(len(points), 1), 0.0, sum(scales) / len(scales))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, json.dumps(overhead.to_json()) + "\n")
+    return overhead
 
 
 def _costs(args, measured, engine, target, records, ks):

@@ -23,7 +23,7 @@ from specwise.harness.backends import Backend
 from specwise.harness.config import Config
 from specwise.harness.engine_backend import EngineBackend
 from specwise.harness.http_backend import HTTPBackend
-from specwise.harness.load import loads_from_flags
+from specwise.harness.load import Load, loads_from_flags
 from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, RunOptions, check_store, run
 from specwise.harness.store import Store
@@ -176,6 +176,11 @@ def _ks(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def engine_batch(loads: list[Load]) -> int:
+    """The in-process engine's batch for these loads: the highest concurrency, at least 4 (room for open loops)."""
+    return max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
+
+
 def workload_from(value: str | None) -> Workload:
     """--workload: a file, or the name of a built-in workload (default: release-notes)."""
     if value is None:
@@ -271,7 +276,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     check_output_dir(out)
     store = Store(out / "run.db")
     check_store(plan, store, args.resume)  # before the model loads
-    max_batch = max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
+    max_batch = engine_batch(loads)
     print(
         f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
         f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}",

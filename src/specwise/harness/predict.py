@@ -1,15 +1,18 @@
 """`specwise predict`: the verdict before the run, from a baseline run and a pass-cost curve (no torch here).
 
 Acceptance comes replayed from the baseline's own outputs (`engine.replay`: exact at temperature 0 and for coupled
-sampling); time from the baseline's measured decode time, scaled per verification step by what the cost curve says a
-pass with the draft's rows costs against a plain pass at the same load:
+sampling); time from the baseline's measured decode, step by step over the replay's draft lengths:
 
-    predicted decode = steps × (baseline seconds per plain step) × t(c·(1 + drafted per step)) / t(c) + drafting
+    predicted decode = Σ_steps [baseline step + t(c + drafted + others) − t(c) + c × overhead] + drafting
 
-with drafting the replay's own (model-free drafters: measured while replaying, c rows in turn; a greedy draft
-model: one draft forward per drafted token, its batch costing t(c)/t(1) of one row's)
-where c is the load's concurrency (closed-loop loads only: an open-loop batch has no fixed size) and t(T) the
-measured seconds of a pass over T tokens. Prefill and queueing are the baseline's. The predicted records then go
+c is the load's concurrency (closed-loop loads only: an open-loop batch has no fixed size), t(T) the measured
+seconds of a pass over T tokens, `others` the other c − 1 rows' mean draft. The extra rows' cost is added to the
+baseline's measured step, not scaled with it: what else a baseline step holds (other requests' prefill chunks, the
+loop's own work) does not grow with the drafts. The overhead (verifying, committing several tokens) is fitted to a
+short probe of real speculative requests (`StepOverhead`, with how much slower the drafting engine's prefill
+runs); drafting is the replay's own (model-free drafters:
+measured while replaying, a batch's rows in turn; a greedy draft model: one draft forward per drafted token, a
+batch's costing t(c)/t(1) of one row's). Queueing is the baseline's. The predicted records then go
 through the evaluation's own analysis (`analyze.analyze`): the same paired speedups with bootstrap intervals, the
 same k choice per load and the same verdict rules, each marked as predicted.
 """
@@ -31,6 +34,7 @@ from specwise.harness.store import Record
 from specwise.speccounts import SpecCounts
 
 COSTS_FORMAT = "specwise-pass-costs/1"
+OVERHEAD_FORMAT = "specwise-step-overhead/1"
 
 
 @dataclass(frozen=True)
@@ -151,32 +155,82 @@ def baseline_records(run: Run) -> list[Record]:
     return usable
 
 
-def predicted_record(base: Record, replay: Replay, config: str, concurrency: float, costs: PassCosts) -> Record:
-    """The speculative record the cost model predicts for `base` (same output, same prefill, predicted decode)."""
-    counts = replay.counts
-    plain_steps = max(base.output_tokens - 1, 1)
-    per_step = (base.decode or 0.0) / plain_steps
+@dataclass(frozen=True)
+class StepOverhead:
+    """What a speculative step costs beyond its pass and its drafts (verifying, committing several tokens), per row
+    and step: `base + per_draft_token × drafted`, seconds, fitted to a short probe of real speculative requests
+    against plain ones on this machine (`specwise predict` runs it once per drafter and caches it)."""
+
+    base: float = 0.0
+    per_draft_token: float = 0.0
+    prefill_scale: float = 1.0  # a speculative engine's prefill time over a plain one's (it runs torch serially)
+
+    def at(self, drafted: float) -> float:
+        return max(0.0, self.base + self.per_draft_token * drafted)
+
+    def to_json(self) -> dict:
+        return {
+            "format": OVERHEAD_FORMAT,
+            "base": self.base,
+            "per_draft_token": self.per_draft_token,
+            "prefill_scale": self.prefill_scale,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> StepOverhead:
+        if not isinstance(doc, dict) or doc.get("format") != OVERHEAD_FORMAT:
+            raise SpecwiseError(f"{where} is not a step-overhead file (format {OVERHEAD_FORMAT!r})")
+        values = (doc.get("base"), doc.get("per_draft_token"))
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+            raise SpecwiseError(f"{where}: 'base' and 'per_draft_token' must be finite numbers of seconds")
+        scale = doc.get("prefill_scale", 1.0)
+        if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+            raise SpecwiseError(f"{where}: 'prefill_scale' must be a positive number")
+        return cls(float(values[0]), float(values[1]), float(scale))  # type: ignore[arg-type]
+
+
+def drafted_histogram(counts: SpecCounts) -> dict[int, int]:
+    """Steps by how many tokens they drafted (from the per-position counts: steps drafting ≥ i+1 tokens)."""
+    per = counts.drafted_per_position
+    hist = {j + 1: per[j] - (per[j + 1] if j + 1 < len(per) else 0) for j in range(len(per))}
+    hist[0] = counts.steps - (per[0] if per else 0)
+    return {j: n for j, n in hist.items() if n}
+
+
+def extra_pass_seconds(counts: SpecCounts, concurrency: float, costs: PassCosts) -> float:
+    """What a request's verification passes cost beyond plain passes at this concurrency: each step's pass holds its
+    own draft (from the replay's histogram) and the other c − 1 rows' mean draft."""
     c = max(concurrency, 1.0)
-    rows = 1.0 + (counts.drafted / counts.steps if counts.steps else 0.0)
-    scale = costs.at(c * rows) / costs.at(c)
+    mean = counts.drafted / counts.steps if counts.steps else 0.0
+    others = (c - 1) * (1 + mean)
+    plain = costs.at(c)
+    return sum(n * (costs.at(1 + j + others) - plain) for j, n in drafted_histogram(counts).items())
+
+
+def predicted_record(
+    base: Record, replay: Replay, config: str, concurrency: float, costs: PassCosts, overhead: StepOverhead
+) -> Record:
+    """The speculative record the cost model predicts for `base` (same output, same prefill, predicted decode):
+    each step costs the baseline's measured step, plus what its pass's extra rows cost (`extra_pass_seconds`), plus
+    drafting, plus the step overhead of every row in the batch."""
+    counts = replay.counts
+    per_step = (base.decode or 0.0) / max(base.output_tokens - 1, 1)
+    c = max(concurrency, 1.0)
+    mean = counts.drafted / counts.steps if counts.steps else 0.0
     # A model-free drafter proposes for a batch's rows in turn; a draft model runs them in one pass, which costs
     # about what the target's passes say c rows cost against one.
     drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if replay.batched else c)
-    decode = counts.steps * per_step * scale + drafting
-    e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) + decode
+    decode = counts.steps * (per_step + c * overhead.at(mean)) + extra_pass_seconds(counts, c, costs) + drafting
+    prefill = (base.prefill or 0.0) * overhead.prefill_scale
+    e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) - (base.prefill or 0.0) + prefill + decode
     return dataclasses.replace(
-        base,
-        config=config,
-        e2e=e2e,
-        decode=decode,
-        spec=counts,
-        itl=[],
-        chunks=[],
-        tokens=None,
+        base, config=config, e2e=e2e, decode=decode, prefill=prefill, spec=counts, itl=[], chunks=[], tokens=None
     )
 
 
-def predicted_run(run: Run, replays: list[Replay], drafter: str, costs: PassCosts) -> Run:
+def predicted_run(
+    run: Run, replays: list[Replay], drafter: str, costs: PassCosts, overhead: StepOverhead | None = None
+) -> Run:
     """`run`'s baseline beside one predicted configuration per k (`"<drafter> k=K (predicted)"`), its closed-loop
     loads only, ready for `analyze.analyze`."""
     base = {r.key: r for r in baseline_records(run)}
@@ -187,7 +241,8 @@ def predicted_run(run: Run, replays: list[Replay], drafter: str, costs: PassCost
     records = list(base.values())
     for rp in replays:
         b = base[rp.key]
-        records.append(predicted_record(b, rp, config_name(drafter, rp.k), value[b.load], costs))
+        name = config_name(drafter, rp.k)
+        records.append(predicted_record(b, rp, name, value[b.load], costs, overhead or StepOverhead()))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,
