@@ -19,6 +19,7 @@ from specwise.errors import SpecwiseError
 from specwise.specs import DRAFTER_HELP
 
 PROBES = 3  # prompts of the run the step-overhead probe decodes, plainly and speculatively
+PROBE_KS = (1, 8)  # … at these draft lengths (the overhead is fitted as a line in drafted tokens per step)
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 
@@ -145,17 +146,16 @@ def _replay(args, measured, records, ks):
 
 def _overhead(spec, target, engine, probes, ks, costs):
     """The per-step overhead of speculating with `spec` on this machine: a few of the run's prompts decoded plainly
-    and with the drafter at k=1 and the largest k, one at a time; what the speculative steps took beyond the plain
+    and with the drafter at each of PROBE_KS, one at a time; what the speculative steps took beyond the plain
     step, their extra pass rows (the cost curve) and their drafting, fitted as base + per drafted token. Cached
-    beside the pass costs, per drafter and k."""
+    beside the pass costs, per drafter."""
     from specwise.engine import Engine, SamplingParams
     from specwise.harness.backends import WARM_UP
     from specwise.harness.predict import StepOverhead, extra_pass_seconds, machine_id
     from specwise.paths import cache_root
 
-    top = max(ks)
     key = hashlib.sha256(
-        f"{machine_id()}|{target.model.kernels}|{target.identity.sha256}|{spec}|{top}|{probes}".encode()
+        f"{machine_id()}|{target.model.kernels}|{target.identity.sha256}|{spec}|{PROBE_KS}|{probes}".encode()
     ).hexdigest()[:16]
     path = cache_root() / "pass-costs" / f"overhead-{key}.json"
     if path.is_file():
@@ -163,10 +163,10 @@ def _overhead(spec, target, engine, probes, ks, costs):
             return StepOverhead.from_json(json.loads(path.read_text()), str(path))
         except (SpecwiseError, OSError, ValueError):
             pass  # measured again
-    print(f"probing the step overhead of {spec} (k=1, k={top}, {len(probes)} prompts) …", file=sys.stderr)
+    print(f"probing the step overhead of {spec} (k={PROBE_KS}, {len(probes)} prompts) …", file=sys.stderr)
     plain = [engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats for p, n in probes]
     points, scales = [], []
-    for k in sorted({1, top}):
+    for k in PROBE_KS:
         spec_engine = Engine(target, drafter=spec, k=k, max_batch=engine.max_batch, max_len=engine.max_len)
         spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
         steps = drafted = 0
@@ -216,7 +216,7 @@ def _costs(args, measured, engine, target, records, ks):
             "a cost file measured there with --costs FILE"
         )
     concurrency = max(ld.value for ld in measured.plan.loads if ld.kind == "concurrent")
-    top = int(concurrency) * (max(ks) + 1)
+    top = int(concurrency) * (max(*ks, PROBE_KS[-1]) + 1)  # measured once for every k up to 8 at least
     sizes = [s for s in COST_SIZES if s < top] + [top]
     lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
     context = min(64 * (lengths[len(lengths) // 2] // 64), engine.cache_len - top)  # the median context, rounded

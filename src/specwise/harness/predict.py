@@ -3,12 +3,14 @@
 Acceptance comes replayed from the baseline's own outputs (`engine.replay`: exact at temperature 0 and for coupled
 sampling); time from the baseline's measured decode, step by step over the replay's draft lengths:
 
-    predicted decode = Σ_steps [baseline step + t(c + drafted + others) − t(c) + c × overhead] + drafting
+    predicted decode = Σ_steps [baseline step' + t(c + drafted + others) − t(c) + c × overhead] + drafting + I
 
 c is the load's concurrency (closed-loop loads only: an open-loop batch has no fixed size), t(T) the measured
 seconds of a pass over T tokens, `others` the other c − 1 rows' mean draft. The extra rows' cost is added to the
 baseline's measured step, not scaled with it: what else a baseline step holds (other requests' prefill chunks, the
-loop's own work) does not grow with the drafts. The overhead (verifying, committing several tokens) is fitted to a
+loop's own work) does not grow with the drafts. I is the other requests' prefill inside this request's decode (in a
+closed loop about as many start while a shorter decode runs), taken out of the baseline step' and kept whole. The
+overhead (verifying, committing several tokens) is fitted to a
 short probe of real speculative requests (`StepOverhead`, with how much slower the drafting engine's prefill
 runs); drafting is the replay's own (model-free drafters:
 measured while replaying, a batch's rows in turn; a greedy draft model: one draft forward per drafted token, a
@@ -208,24 +210,50 @@ def extra_pass_seconds(counts: SpecCounts, concurrency: float, costs: PassCosts)
 
 
 def predicted_record(
-    base: Record, replay: Replay, config: str, concurrency: float, costs: PassCosts, overhead: StepOverhead
+    base: Record,
+    replay: Replay,
+    config: str,
+    concurrency: float,
+    costs: PassCosts,
+    overhead: StepOverhead,
+    interference: float = 0.0,
 ) -> Record:
-    """The speculative record the cost model predicts for `base` (same output, same prefill, predicted decode):
-    each step costs the baseline's measured step, plus what its pass's extra rows cost (`extra_pass_seconds`), plus
-    drafting, plus the step overhead of every row in the batch."""
+    """The speculative record the cost model predicts for `base` (same output, predicted prefill and decode): each
+    step costs the baseline's measured step less its share of other requests' prefill (`interference`: the seconds
+    of it inside this request's decode, which a shorter decode still holds — in a closed loop as many others start
+    while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting, plus the step
+    overhead of every row in the batch."""
     counts = replay.counts
-    per_step = (base.decode or 0.0) / max(base.output_tokens - 1, 1)
+    plain_steps = max(base.output_tokens - 1, 1)
+    per_step = max((base.decode or 0.0) - interference, 0.0) / plain_steps
     c = max(concurrency, 1.0)
     mean = counts.drafted / counts.steps if counts.steps else 0.0
     # A model-free drafter proposes for a batch's rows in turn; a draft model runs them in one pass, which costs
     # about what the target's passes say c rows cost against one.
     drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if replay.batched else c)
-    decode = counts.steps * (per_step + c * overhead.at(mean)) + extra_pass_seconds(counts, c, costs) + drafting
+    decode = (
+        counts.steps * (per_step + c * overhead.at(mean))
+        + min(interference, base.decode or 0.0)
+        + extra_pass_seconds(counts, c, costs)
+        + drafting
+    )
     prefill = (base.prefill or 0.0) * overhead.prefill_scale
     e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) - (base.prefill or 0.0) + prefill + decode
     return dataclasses.replace(
         base, config=config, e2e=e2e, decode=decode, prefill=prefill, spec=counts, itl=[], chunks=[], tokens=None
     )
+
+
+def interference(base: Record, load: list[Record], concurrency: float) -> float:
+    """Seconds of other requests' prefill inside `base`'s decode at a closed-loop load: each of the other c − 1
+    slots starts requests one after another, so about decode / (mean E2E) of their prefills land in it."""
+    if concurrency <= 1 or not load or not base.decode:
+        return 0.0
+    e2e = [r.e2e for r in load if r.e2e]
+    prefill = [r.prefill for r in load if r.prefill is not None]
+    if not e2e or not prefill:
+        return 0.0
+    return (concurrency - 1) * (sum(prefill) / len(prefill)) * base.decode / (sum(e2e) / len(e2e))
 
 
 def predicted_run(
@@ -239,10 +267,14 @@ def predicted_run(
     ks = sorted({r.k for r in replays})
     configs = [run.plan.baseline] + [Config(config_name(drafter, k), drafter, k) for k in ks]
     records = list(base.values())
+    by_load: dict[str, list[Record]] = {}
+    for r in records:
+        by_load.setdefault(r.load, []).append(r)
     for rp in replays:
         b = base[rp.key]
         name = config_name(drafter, rp.k)
-        records.append(predicted_record(b, rp, name, value[b.load], costs, overhead or StepOverhead()))
+        inside = interference(b, by_load[b.load], value[b.load])
+        records.append(predicted_record(b, rp, name, value[b.load], costs, overhead or StepOverhead(), inside))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,
