@@ -12,7 +12,7 @@ first call and cached), and a predicted k sweep of 8 values. Over the cells with
 - evaluate's wall time over predict's, for the same ks (target ≥ 10×) and for the 8-value sweep (target ≥ 30×; the
   sweep's evaluation is estimated as the measured one scaled by the number of configurations it would run).
 
-    python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--tasks 24] [--max-tokens 64]
+    python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--tasks 24] [--max-tokens 64] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ def specwise(*args: str) -> tuple[float, str]:
     return time.perf_counter() - t0, proc.stdout
 
 
+def _evaluate(workload: str, drafter: str, label: str, args: argparse.Namespace, out: Path) -> float:
+    t_eval, _ = specwise(
+        "evaluate", "--workload", workload, "--drafter", drafter, "--k", "1,4", "--tasks", str(args.tasks),
+        "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency, "--out", str(out),
+        "--no-progress", "--repeats", "2" if "edits" in label else "1",
+    )  # fmt: skip
+    return t_eval
+
+
 def outcome(iv: dict) -> str:
     return "wins" if iv["lo"] > 1 else "loses" if iv["hi"] < 1 else "unclear"
 
@@ -49,17 +58,24 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=24, help="tasks per workload (the built-in has 24, edits 12)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the evaluations' runs in DIR, and reuse those already there (to iterate on the time model against "
+        "fixed measurements; the evaluate/predict time ratios then compare with the first run's wall time)",
+    )
     args = ap.parse_args()
     cells, timing = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for label, workload in WORKLOADS.items():
             for drafter in args.drafters.split(","):
-                out = Path(tmp) / f"{len(timing)}"
-                t_eval, _ = specwise(
-                    "evaluate", "--workload", workload, "--drafter", drafter, "--k", "1,4", "--tasks", str(args.tasks),
-                    "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency, "--out", str(out),
-                    "--no-progress", "--repeats", "2" if "edits" in label else "1",
-                )  # fmt: skip
+                out = Path(args.keep or tmp) / f"{len(timing)}"
+                kept = out / "evaluate-seconds"
+                if args.keep and kept.is_file():
+                    t_eval = float(kept.read_text())
+                else:
+                    t_eval = _evaluate(workload, drafter, label, args, out)
+                    kept.write_text(f"{t_eval}\n")
                 db = str(out / "run.db")
                 specwise("predict", "--from-run", db, "--drafter", drafter, "--k", SWEEP)  # measures the costs once
                 pred = str(out / "p.json")
