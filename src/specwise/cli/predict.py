@@ -61,15 +61,14 @@ def run(args: argparse.Namespace) -> int:
             f"--drafter {args.drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
             "a draft model's proposals there depend on its own noise"
         )
-    engine, replays, costs, overhead, name = _replay(args, measured, records, ks)
-    predicted = predicted_run(measured, replays, name, costs, overhead)
+    replays, costs, overhead, name, batched = _replay(args, measured, records, ks)
+    predicted = predicted_run(measured, replays, name, costs, overhead, batched)
     predicted.analysis = analyze(predicted)
     text, doc = _summary(measured, predicted, name, costs, sum(r.open_steps for r in replays))
     doc["step_overhead"] = overhead.to_json()
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")
-    del engine
     return 0
 
 
@@ -95,8 +94,7 @@ def _replay(args, measured, records, ks):
             f"({differs}): give the run's model with --model and its precision flags"
         )
     engine = Engine(target, max_batch=engine_batch(plan.loads), max_len=HARNESS_MAX_LEN)  # as the run's was
-    source = args.workload or plan.source or plan.workload
-    tasks = {t.id: t for t in workload_from(source.removeprefix("builtin:")).tasks}
+    tasks = {t.id: t for t in workload_from(args.workload or plan.source or plan.workload).tasks}
     prompts: dict[str, list[int]] = {}
     for r in records:
         task = tasks.get(r.task_id)
@@ -110,13 +108,12 @@ def _replay(args, measured, records, ks):
                 f"task {r.task_id!r} encodes to {len(ids)} prompt tokens, the run's to {r.prompt_tokens}: the workload "
                 "changed since the run (give the one it ran with --workload)"
             )
-    warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]  # the run's first request
     load_order = {ld.name: i for i, ld in enumerate(plan.loads)}
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
     drafter = make_drafter(args.drafter, target, 1, engine.cache_len)
-    name = drafter.name
+    name, batched = drafter.name, isinstance(drafter, ModelDrafter)
     if can_guess(drafter) and plan.temperature == 0:  # a greedy draft model: one pass per output, every k from it
         per_token = draft_token_seconds(drafter)
         for r in ordered:
@@ -125,39 +122,49 @@ def _replay(args, measured, records, ks):
             for k in ks:
                 limit = limits[r.task_id]
                 out = replay_guesses(guesses, r.prompt_tokens, r.tokens, k, limit, engine.max_len, per_token)
-                replays.append(Replay(r.key, k, out.counts, out.open_steps, batched=True))
+                replays.append(Replay(r.key, k, out.counts, out.open_steps))
     else:
+        # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
+        warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
+        warm_ids = engine.encode_prompt(WARM_UP[0])
         for k in ks:
             drafter = make_drafter(args.drafter, target, 1, engine.cache_len)  # a fresh history per k (suffix)
-            replay(drafter, engine.encode_prompt(WARM_UP[0]), warm.token_ids, k, WARM_UP[1], engine.max_len)
+            replay(drafter, warm_ids, warm.token_ids, k, WARM_UP[1], engine.max_len)
             for r in ordered:
                 assert r.tokens is not None
                 out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
-                replays.append(Replay(r.key, k, out.counts, out.open_steps, batched=isinstance(drafter, ModelDrafter)))
-    # Passes are timed on an engine that drafts, as the speculative run's were (it runs torch serially in a step).
-    drafting_engine = Engine(target, drafter=args.drafter, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
-    costs = _costs(args, measured, drafting_engine, target, records, ks)
-    del drafting_engine
+                replays.append(Replay(r.key, k, out.counts, out.open_steps))
+
+    def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
+        return Engine(target, drafter=args.drafter, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
+
+    costs = _costs(args, measured, drafting_engine, target, records, ks)  # serially in a step): built if measuring
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
-    overhead = _overhead(args.drafter, target, engine, probes, ks, costs)
-    return engine, replays, costs, overhead, name
+    overhead = _overhead(args.drafter, target, engine, probes, costs)
+    return replays, costs, overhead, name, batched
 
 
-def _overhead(spec, target, engine, probes, ks, costs):
+def _cache_file(kind: str, *key: object) -> Path:
+    """Where a measurement of this machine is kept: under the cache's pass-costs/, named by a hash of what it
+    depends on (this CPU, then the caller's parts)."""
+    from specwise.harness.predict import machine_id
+    from specwise.paths import cache_root
+
+    digest = hashlib.sha256("|".join(map(str, (machine_id(), *key))).encode()).hexdigest()[:16]
+    return cache_root() / "pass-costs" / f"{kind}{digest}.json"
+
+
+def _overhead(spec, target, engine, probes, costs):
     """The per-step overhead of speculating with `spec` on this machine: a few of the run's prompts decoded plainly
     and with the drafter at each of PROBE_KS, one at a time; what the speculative steps took beyond the plain
     step, their extra pass rows (the cost curve) and their drafting, fitted as base + per drafted token. Cached
     beside the pass costs, per drafter."""
     from specwise.engine import Engine, SamplingParams
     from specwise.harness.backends import WARM_UP
-    from specwise.harness.predict import StepOverhead, extra_pass_seconds, machine_id
-    from specwise.paths import cache_root
+    from specwise.harness.predict import StepOverhead, extra_pass_seconds
 
-    key = hashlib.sha256(
-        f"{machine_id()}|{target.model.kernels}|{target.identity.sha256}|{spec}|{PROBE_KS}|{probes}".encode()
-    ).hexdigest()[:16]
-    path = cache_root() / "pass-costs" / f"overhead-{key}.json"
+    path = _cache_file("overhead-", target.model.kernels, target.identity.sha256, spec, PROBE_KS, probes)
     if path.is_file():
         try:
             return StepOverhead.from_json(json.loads(path.read_text()), str(path))
@@ -192,12 +199,11 @@ def _overhead(spec, target, engine, probes, ks, costs):
     return overhead
 
 
-def _costs(args, measured, engine, target, records, ks):
-    """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now (and cached). A curve
-    from another CPU or kernel variant than the run's is refused unless given with --costs."""
+def _costs(args, measured, make_engine, target, records, ks):
+    """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now on `make_engine()` (and
+    cached). A curve from another CPU or kernel variant than the run's is refused unless given with --costs."""
     from specwise.harness.facts import hardware
     from specwise.harness.predict import PassCosts, machine_id
-    from specwise.paths import cache_root
 
     sha = target.identity.sha256
     if args.costs:
@@ -219,9 +225,8 @@ def _costs(args, measured, engine, target, records, ks):
     top = int(concurrency) * (max(*ks, PROBE_KS[-1]) + 1)  # measured once for every k up to 8 at least
     sizes = [s for s in COST_SIZES if s < top] + [top]
     lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
-    context = min(64 * (lengths[len(lengths) // 2] // 64), engine.cache_len - top)  # the median context, rounded
-    key = hashlib.sha256(f"{machine_id()}|{target.model.kernels}|{sha}|{context}".encode()).hexdigest()[:16]
-    path = cache_root() / "pass-costs" / f"{key}.json"
+    context = 64 * (lengths[len(lengths) // 2] // 64)  # the median context, rounded down
+    path = _cache_file("", target.model.kernels, sha, context)
     if path.is_file():
         try:
             cached = PassCosts.read(path)
@@ -230,7 +235,8 @@ def _costs(args, measured, engine, target, records, ks):
         except SpecwiseError:
             pass  # a damaged cache file is measured again
     print(f"measuring pass costs (sizes 1–{top}, context {context}) …", file=sys.stderr)
-    seconds = engine.pass_costs(sizes, context=context)
+    engine = make_engine()
+    seconds = engine.pass_costs(sizes, context=min(context, engine.cache_len - top))
     costs = PassCosts(seconds, machine_id(), target.model.kernels, sha, hardware()["cpu_threads"])
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, json.dumps(costs.to_json(), indent=2) + "\n")
@@ -242,16 +248,11 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple
     from specwise.harness.predict import measured_twin
     from specwise.harness.report import mark
     from specwise.harness.verdict import load_name
-    from specwise.speccounts import SpecCounts
 
     a = predicted.analysed
     measured_cells = {(c.config, c.load, c.group): c for c in measured.analysed.comparisons}
     k_of = {c.name: c.k for c in predicted.plan.configs[1:]}
-    counts: dict[tuple[str, str, str], SpecCounts] = {}
-    for r in predicted.records:
-        if r.config in k_of and r.spec is not None:
-            for g in r.groups:
-                counts.setdefault((r.config, r.load, g), SpecCounts()).add(r.spec)
+    rows = {(r.config, r.load, r.group): r for r in a.table}  # the analysis's own acceptance per cell
     n_base = sum(r.config == a.baseline for r in predicted.records)
     lines = [
         f"PREDICTED from the baseline of {measured.path} ({n_base} records): {drafter}, acceptance replayed from "
@@ -269,12 +270,12 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple
     cells = []
     for c in a.comparisons:
         k = k_of[c.config]
-        sc = counts.get((c.config, c.load, c.group), SpecCounts())
+        row = rows[(c.config, c.load, c.group)]
         twin = measured_twin(measured, drafter, k)
         m = measured_cells.get((twin, c.load, c.group)) if twin else None
         e = c.e2e_speedup
         shown = f"{m.e2e_speedup.value:>7.2f}x [{m.e2e_speedup.lo:.2f}–{m.e2e_speedup.hi:.2f}]" if m else "—"
-        mal = sc.mean_acceptance_length
+        mal = row.mean_acceptance_length
         lines.append(
             f"{k:>3} {c.load:>14} {c.group:>12} {c.n:>3} {mal or 0:>5.2f} "
             f"{e.value:>10.2f}x [{e.lo:.2f}–{e.hi:.2f}] {shown:>26}"
@@ -286,7 +287,7 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple
                 "group": c.group,
                 "n": c.n,
                 "mean_acceptance_length": mal,
-                "acceptance_rate": sc.acceptance_rate,
+                "acceptance_rate": row.acceptance_rate,
                 "predicted_e2e_speedup": e.to_dict(),
                 "predicted_decode_speedup": c.decode_speedup.to_dict() if c.decode_speedup else None,
                 "measured_e2e_speedup": m.e2e_speedup.to_dict() if m else None,

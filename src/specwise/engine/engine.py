@@ -737,24 +737,15 @@ class Engine:
     def calibrate(self, repeats: int = 2) -> dict[int, float]:
         """Time target passes of 1..k_max+1 tokens on the scratch slot, so adaptive k starts from real costs (as a
         step runs them)."""
-        with self._kernels_step():
-            return self._calibrate(repeats)
-
-    def _calibrate(self, repeats: int) -> dict[int, float]:
-        scratch = self.max_batch
         sizes = sorted({1, 2, 3, 5, self.k_max // 2 + 1, self.k_max + 1})
-        self._forward([0] * 8, list(range(8)), [scratch] * 8)  # warm-up
-        for T in sizes:
-            for _ in range(repeats):
-                t0 = self._now()
-                self._forward([0] * T, list(range(8, 8 + T)), [scratch] * T)
-                self.costs.observe_pass(T, self._now() - t0)
+        for T, seconds in self.pass_costs(sizes, context=8, repeats=repeats).items():
+            self.costs.observe_pass(T, seconds)
         return {T: self.costs.pass_cost(T) or 0.0 for T in sizes}  # every size was just measured
 
     def pass_costs(self, sizes: list[int], context: int = 8, repeats: int = 3) -> dict[int, float]:
         """Median seconds of a target pass over T tokens for each T in `sizes`, its rows at positions `context` onward
-        on the scratch slot (what a verification pass of T rows costs: passes are unpadded, so T rows of several
-        sequences cost about what T rows of one do), for `specwise predict`."""
+        on the scratch slot, as a step runs them (what a verification pass of T rows costs: passes are unpadded, so
+        T rows of several sequences cost about what T rows of one do): for `calibrate` and `specwise predict`."""
         top = max(sizes, default=0)
         if not sizes or min(sizes) < 1 or context < 0 or context + top > self.cache_len:
             raise SpecwiseError(

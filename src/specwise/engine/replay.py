@@ -20,6 +20,7 @@ accepted draft token is the output's own). Every k is replayed from the same gue
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,33 @@ def _room(prompt_len: int, p: int, k: int, max_new_tokens: int, max_len: int) ->
     return max(0, min(k, min(max_len - (prompt_len + p), max_new_tokens - p) - 1))
 
 
+def walk(
+    propose: Callable[[int, int], tuple[list[int], float]],
+    prompt_len: int,
+    output_ids: list[int],
+    k: int,
+    max_new_tokens: int,
+    max_len: int,
+) -> Replayed:
+    """The speculative run over `output_ids` (the first came from the prefill): at each committed length p,
+    `propose(p, ke)` gives the step's draft of at most ke tokens (the engine's draft length there) and the seconds
+    it took; its longest prefix equal to the output is accepted, and the step commits that plus one token."""
+    counts, open_steps = SpecCounts(), 0
+    n = len(output_ids)
+    p = min(1, n)
+    while p < n:
+        ke = _room(prompt_len, p, k, max_new_tokens, max_len)
+        draft, spent = propose(p, ke) if ke > 0 else ([], 0.0)
+        draft = draft[:ke]
+        a = 0
+        while a < len(draft) and p + a < n and draft[a] == output_ids[p + a]:
+            a += 1
+        open_steps += a < len(draft) and p + a >= n  # the output ended where the draft still went on
+        counts.observe_step(len(draft), a, spent)
+        p += a + 1
+    return Replayed(counts, open_steps, n)
+
+
 def replay(
     drafter: Drafter,
     prompt_ids: list[int],
@@ -69,32 +97,21 @@ def replay(
     slot: int = 0,
     history: bool = True,
 ) -> Replayed:
-    """Walk `output_ids` (the first came from the prefill) as a speculative run with draft length `k` would, asking
-    `drafter` at every step; the drafter's slot is released at the end, as the engine does when a request finishes
-    (so a suffix drafter's history grows as it would have)."""
-    counts, open_steps = SpecCounts(), 0
-    n = len(output_ids)
-    view = ReplayView(slot, [*prompt_ids, *output_ids[:1]], len(prompt_ids), history=history)
-    p = min(1, n)
+    """`walk` asking `drafter` at every step (timed); the drafter's slot is released at the end, as the engine does
+    when a request finishes (so a suffix drafter's history grows as it would have)."""
+    view = ReplayView(slot, list(prompt_ids), len(prompt_ids), history=history)
+
+    def propose(p: int, ke: int) -> tuple[list[int], float]:
+        view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) : p]  # committed so far, one list
+        t0 = time.perf_counter()
+        draft = drafter.propose([view], [ke])[0].tokens
+        return draft, time.perf_counter() - t0
+
     try:
-        while p < n:
-            ke = _room(len(prompt_ids), p, k, max_new_tokens, max_len)
-            draft: list[int] = []
-            spent = 0.0
-            if ke > 0:
-                t0 = time.perf_counter()
-                draft = drafter.propose([view], [ke])[0].tokens[:ke]
-                spent = time.perf_counter() - t0
-            a = 0
-            while a < len(draft) and p + a < n and draft[a] == output_ids[p + a]:
-                a += 1
-            open_steps += a < len(draft) and p + a >= n  # the output ended where the draft still went on
-            counts.observe_step(len(draft), a, spent)
-            view.token_ids += output_ids[p : p + a + 1]
-            p += a + 1
+        return walk(propose, len(prompt_ids), output_ids, k, max_new_tokens, max_len)
     finally:
-        drafter.release(slot)
-    return Replayed(counts, open_steps, n)
+        view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) :]  # the request's whole output, as
+        drafter.release(slot)  # the engine's sequence holds it when it retires
 
 
 CHUNK = 256  # rows per pass when a guess pass covers a long sequence
@@ -138,20 +155,14 @@ def replay_guesses(
     max_len: int,
     seconds_per_draft_token: float = 0.0,
 ) -> Replayed:
-    """`replay` for a greedy draft model from its guesses: accepted while guess and output agree, up to the step's
-    draft length. Drafting time is estimated as `seconds_per_draft_token` per drafted token (one draft forward each)."""
-    counts, open_steps = SpecCounts(), 0
-    n = len(output_ids)
-    p = min(1, n)
-    while p < n:
-        ke = _room(prompt_len, p, k, max_new_tokens, max_len)
-        a = 0
-        while a < ke and p + a < n and guesses[p + a] == output_ids[p + a]:
-            a += 1
-        open_steps += a < ke and p + a >= n
-        counts.observe_step(ke, a, ke * seconds_per_draft_token)
-        p += a + 1
-    return Replayed(counts, open_steps, n)
+    """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
+    first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token."""
+
+    def propose(p: int, ke: int) -> tuple[list[int], float]:
+        draft = guesses[p : p + ke]
+        return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token
+
+    return walk(propose, prompt_len, output_ids, k, max_new_tokens, max_len)
 
 
 def draft_token_seconds(drafter: ModelDrafter, repeats: int = 5) -> float:

@@ -182,9 +182,12 @@ def engine_batch(loads: list[Load]) -> int:
 
 
 def workload_from(value: str | None) -> Workload:
-    """--workload: a file, or the name of a built-in workload (default: release-notes)."""
+    """--workload: a file, or the name of a built-in workload (default: release-notes), also as a run records it
+    (`builtin:NAME`)."""
     if value is None:
         return builtin_workload()
+    if value.startswith("builtin:") and value[len("builtin:") :] in BUILTIN:
+        return builtin_workload(value[len("builtin:") :])
     if value in BUILTIN and not Path(value).exists():
         return builtin_workload(value)
     if not Path(value).exists():

@@ -126,7 +126,6 @@ class Replay:
     k: int
     counts: SpecCounts
     open_steps: int = 0
-    batched: bool = False  # a draft model: a batch's drafts share its passes (else each row drafts in turn)
 
 
 def baseline_records(run: Run) -> list[Record]:
@@ -217,20 +216,21 @@ def predicted_record(
     costs: PassCosts,
     overhead: StepOverhead,
     interference: float = 0.0,
+    batched: bool = False,
 ) -> Record:
     """The speculative record the cost model predicts for `base` (same output, predicted prefill and decode): each
     step costs the baseline's measured step less its share of other requests' prefill (`interference`: the seconds
     of it inside this request's decode, which a shorter decode still holds — in a closed loop as many others start
-    while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting, plus the step
-    overhead of every row in the batch."""
+    while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
+    model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
+    batch."""
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
     per_step = max((base.decode or 0.0) - interference, 0.0) / plain_steps
     c = max(concurrency, 1.0)
     mean = counts.drafted / counts.steps if counts.steps else 0.0
-    # A model-free drafter proposes for a batch's rows in turn; a draft model runs them in one pass, which costs
-    # about what the target's passes say c rows cost against one.
-    drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if replay.batched else c)
+    # A draft model's batch costs about what the target's passes say c rows cost against one.
+    drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if batched else c)
     decode = (
         counts.steps * (per_step + c * overhead.at(mean))
         + min(interference, base.decode or 0.0)
@@ -244,37 +244,41 @@ def predicted_record(
     )
 
 
-def interference(base: Record, load: list[Record], concurrency: float) -> float:
-    """Seconds of other requests' prefill inside `base`'s decode at a closed-loop load: each of the other c − 1
+def interference(decode: float, concurrency: float, mean_prefill: float, mean_e2e: float) -> float:
+    """Seconds of other requests' prefill inside a request's `decode` at a closed-loop load: each of the other c − 1
     slots starts requests one after another, so about decode / (mean E2E) of their prefills land in it."""
-    if concurrency <= 1 or not load or not base.decode:
+    if concurrency <= 1 or mean_e2e <= 0:
         return 0.0
-    e2e = [r.e2e for r in load if r.e2e]
-    prefill = [r.prefill for r in load if r.prefill is not None]
-    if not e2e or not prefill:
-        return 0.0
-    return (concurrency - 1) * (sum(prefill) / len(prefill)) * base.decode / (sum(e2e) / len(e2e))
+    return (concurrency - 1) * mean_prefill * decode / mean_e2e
 
 
 def predicted_run(
-    run: Run, replays: list[Replay], drafter: str, costs: PassCosts, overhead: StepOverhead | None = None
+    run: Run,
+    replays: list[Replay],
+    drafter: str,
+    costs: PassCosts,
+    overhead: StepOverhead | None = None,
+    batched: bool = False,
 ) -> Run:
     """`run`'s baseline beside one predicted configuration per k (`"<drafter> k=K (predicted)"`), its closed-loop
-    loads only, ready for `analyze.analyze`."""
+    loads only, ready for `analyze.analyze`; `batched`: the drafter is a draft model (see `predicted_record`)."""
     base = {r.key: r for r in baseline_records(run)}
     loads = [ld for ld in run.plan.loads if ld.kind == "concurrent"]
     value = {ld.name: ld.value for ld in loads}
     ks = sorted({r.k for r in replays})
     configs = [run.plan.baseline] + [Config(config_name(drafter, k), drafter, k) for k in ks]
     records = list(base.values())
-    by_load: dict[str, list[Record]] = {}
-    for r in records:
-        by_load.setdefault(r.load, []).append(r)
+    means = {}  # per load: the baseline's mean prefill and E2E (what `interference` scales by)
+    for ld in loads:
+        at = [r for r in records if r.load == ld.name]
+        prefill, e2e = [r.prefill or 0.0 for r in at], [r.e2e or 0.0 for r in at]
+        means[ld.name] = (sum(prefill) / max(len(at), 1), sum(e2e) / max(len(at), 1))
     for rp in replays:
         b = base[rp.key]
+        inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
         name = config_name(drafter, rp.k)
-        inside = interference(b, by_load[b.load], value[b.load])
-        records.append(predicted_record(b, rp, name, value[b.load], costs, overhead or StepOverhead(), inside))
+        step = overhead or StepOverhead()
+        records.append(predicted_record(b, rp, name, value[b.load], costs, step, inside, batched))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,
