@@ -8,6 +8,7 @@ exactly, in every precision, alone and batched.
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -98,6 +99,29 @@ def test_identical_draft_model_accepts_everything(tiny, tiny_dir):
     assert all(r.stats.acceptance_rate == 1.0 for r in results)
     # 19 tokens after the prefill's first, 5 per step (4 accepted + bonus): 4 steps, the last one shortened.
     assert all(r.stats.steps == math.ceil(19 / 5) for r in results)
+
+
+def test_a_draft_models_prompt_prefill_is_not_what_its_drafted_tokens_cost(tiny, tiny_dir, monkeypatch):
+    """Catching up alone on a new prompt is one-off work: adaptive k must not read it as the price of every drafted
+    token (a 0.5B draft's prompt prefill costs a second; at that price k=auto would never draft again)."""
+    from specwise.engine.drafters.draft_model import LONG_CATCH_UP, ModelDrafter
+
+    forward = ModelDrafter._forward
+
+    def slow_on_prompts(self, rows):
+        if any(len(toks) > LONG_CATCH_UP for _, toks, _ in rows):
+            time.sleep(0.5)  # a prompt prefill that costs far more than drafting a token
+        return forward(self, rows)
+
+    monkeypatch.setattr(ModelDrafter, "_forward", slow_on_prompts)
+    engine = Engine(tiny, drafter=f"model:{tiny_dir}", k=1)
+    prompt = "the cat sat on the mat and " * 3
+    assert len(tiny.tokenizer.encode(prompt)) > LONG_CATCH_UP
+    r = engine.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert r.stats.drafted > 0
+    name = next(iter(engine.drafters))
+    assert engine.drafters[name].one_off_seconds == 0.0  # the last propose had nothing to catch up on alone
+    assert engine.costs.draft_per_token[name] < 0.1  # the prompt's 0.5 s is not in it
 
 
 def test_stats_are_consistent(tiny):

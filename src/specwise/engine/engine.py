@@ -490,7 +490,8 @@ class Engine:
             for i, d in zip(idx, proposed, strict=True):
                 drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
             spent = self._now() - td
-            self.costs.observe_draft(max(ks[i] for i in idx), spent, name)
+            one_off = float(getattr(self.drafters[name], "one_off_seconds", 0.0))
+            self.costs.observe_draft(max(ks[i] for i in idx), max(spent - one_off, 0.0), name)
             for i in idx:
                 draft_time[i] = spent
         t1 = self._now()

@@ -37,7 +37,9 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for a batch of sequences."""
+    """Proposes draft tokens for a batch of sequences. A drafter may also set `one_off_seconds` after a propose:
+    the part of its time that was one-off work (a draft model prefilling a new prompt), which the engine's cost
+    model leaves out of what a drafted token costs (absent: none)."""
 
     name: str
 

@@ -4,10 +4,13 @@ The drafter keeps its own KV cache, one row per engine slot, and remembers which
 each call it feeds what it has not seen (the prompt on the first call; afterwards the accepted tokens and the
 recovered or bonus one), then samples k tokens one at a time with the request's own sampling settings, keeping the
 distribution of each (q for rejection sampling). A rejected token's cache entries are simply written over next time.
+Catching up alone on a long run of unseen tokens (a new prompt, or the output since drafting was last on) is a
+one-off, not what a drafted token costs: `one_off_seconds` tells the engine's cost model to leave it out.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -77,6 +80,7 @@ class ModelDrafter:
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
         self._extra_weights = extra_weight_bytes
         self.device = model.device
+        self.one_off_seconds = 0.0  # of the last propose: catching up alone on a new prompt or a long gap
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
@@ -130,10 +134,14 @@ class ModelDrafter:
         long_rows = [i for i in active if len(pending[i][1]) > LONG_CATCH_UP]
         groups = [[i] for i in long_rows] + [[i for i in active if i not in long_rows]]
         last_logits: dict[int, torch.Tensor] = {}
+        self.one_off_seconds = 0.0
         for group in groups:
             if group:
+                t0 = time.perf_counter()
                 for i, row in zip(group, self._forward([pending[i] for i in group]), strict=False):
                     last_logits[i] = row
+                if len(group) == 1 and group[0] in long_rows:
+                    self.one_off_seconds += time.perf_counter() - t0
         for i in active:
             self.seen[seqs[i].slot] += pending[i][1]
 
