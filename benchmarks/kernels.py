@@ -8,6 +8,8 @@ exact to the weights):
 - pass9     9 tokens of one sequence at positions --context.. (a k=8 verification pass), and its ratio to a step
 - prefill   a 128-token prompt chunk at positions 0..127, as tokens per second
 - busy      a step while another process busy-loops on one core, and its ratio to the idle step (--busy)
+- layers    with --layers: each weight format's matrix products alone (one layer of each kind and the head, int8
+            activations), 1 and 9 rows, as multiply-adds per second — which format a pass spends its time in
 
 It also measures the machine's read bandwidth with the kernels' own thread pool and prints the floor it sets for a
 step (the weights' bytes ÷ bandwidth), and each variant's step as a fraction of that floor. Medians over --rounds.
@@ -109,6 +111,42 @@ def pass_costs(decoders: dict, rounds: int, context: int = 256, busy: bool = Fal
     return {name: {k: statistics.median(v) for k, v in s.items() if v} for name, s in samples.items()}
 
 
+FORMATS = {2: "Q8", 3: "Q4", 4: "Q5", 5: "Q6"}  # csrc/kernels.h SW_*
+
+
+def layer_rates(weights, variants: list[str], threads: int, rounds: int) -> None:
+    """Multiply-adds per second of each distinct (format, shape) linear layer part at 1 and 9 rows, per variant,
+    interleaved round by round: where a pass's time goes by weight format."""
+    from specwise.engine import kernels as K
+
+    parts = {}
+    for layer in weights.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for p in lin.parts:
+                parts.setdefault((p.fmt, p.n, p.k), p)
+    parts[("head", weights.head.n, weights.head.k)] = weights.head
+    rows = (1, 9)
+    samples: dict = {}
+    for rnd in range(rounds):
+        for v in variants[rnd % len(variants) :] + variants[: rnd % len(variants)]:
+            for key, p in parts.items():
+                for M in rows:
+                    x = torch.randn(M, p.k)
+                    t = timed(lambda p=p, x=x, v=v: K.gemm(p, x, threads, "int8", v), 3 if key[0] == "head" else 10)
+                    samples.setdefault((v, key, M), []).append(t)
+    print(f"\n{'variant':8} {'part':22} {'M=1 ms':>8} {'GMAC/s':>7} {'M=9 ms':>8} {'GMAC/s':>7} {'9/1':>5}")
+    for v in variants:
+        for key, p in parts.items():
+            t1, t9 = (statistics.median(samples[(v, key, M)]) for M in rows)
+            fmt = FORMATS.get(p.fmt, str(p.fmt))
+            name = f"{'head ' if key[0] == 'head' else ''}{fmt} {p.n}x{p.k}"
+            macs = p.n * p.k
+            print(
+                f"{v:8} {name:22} {t1 * 1e3:8.3f} {macs / t1 / 1e9:7.1f} {t9 * 1e3:8.3f} {9 * macs / t9 / 1e9:7.1f} "
+                f"{t9 / t1:5.2f}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="all", help="all (every variant this CPU runs), auto, or a comma list")
@@ -118,6 +156,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache for step and pass9")
     ap.add_argument("--busy", action="store_true", help="also time steps beside a busy-looping process")
     ap.add_argument("--model", help="GGUF or HF directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--layers", action="store_true", help="also time each weight format's products (int8)")
     args = ap.parse_args()
 
     from specwise.engine import kernels as K
@@ -159,6 +198,8 @@ def main() -> None:
         if args.busy:
             line += f" {c['busy'] * 1e3:8.2f} {c['busy'] / c['step']:8.2f}x"
         print(line)
+    if args.layers:
+        layer_rates(weights, variants, args.threads, args.rounds)
     pairs = [(v, (v, "int8"), (v, "float32")) for v in variants if (v, "int8") in costs and (v, "float32") in costs]
     if pairs:
         print("\nint8 / float32 activations, same variant (time ratio; below 1: int8 faster)")
