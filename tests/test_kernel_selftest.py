@@ -82,7 +82,7 @@ SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIO
 @pytest.mark.parametrize("variant", K.runnable())
 def test_every_entry_point_under_asan_and_ubsan_refuses_what_it_must_and_touches_only_its_memory(variant, tmp_path):
     """Issue 31 item 8: the self-test and a fuzz driver (random shapes, counts, positions, slots, rows, layer ids and
-    self-contradicting declarations at sw_gemm, sw_quantize_rows and sw_forward_features, each call's buffers
+    self-contradicting declarations at sw_gemm, sw_quantize_rows and sw_forward, each call's buffers
     exactly what a valid call may touch) built with AddressSanitizer and UBSan: every call refused exactly when its
     input is invalid, and no report. At b8ad943 this ended on the first negative row count (UBSan: an offset
     applied to a null pointer)."""

@@ -380,10 +380,11 @@ def test_an_empty_pass_or_more_output_rows_than_tokens_is_refused_not_a_crash(ti
     out = torch.empty(64, model.cfg.vocab_size)
     scratch = torch.empty(model.lib.sw_scratch_floats(ctypes.byref(model._model), 2, cache.capacity, 1))
     for M, n_out in ((0, 0), (2, 3), (2, 64), (2, -1)):
-        rc = model.lib.sw_forward(
-            ctypes.byref(model._model), ctypes.byref(sw), M, tokens.data_ptr(), pos.data_ptr(), slot.data_ptr(),
-            n_out, rows.data_ptr(), out.data_ptr(), scratch.data_ptr(), 1,
+        sw_pass = K.SwPass(
+            M=M, tokens=tokens.data_ptr(), pos=pos.data_ptr(), slot=slot.data_ptr(), n_out=n_out,
+            out_rows=rows.data_ptr(), logits=out.data_ptr(), scratch=scratch.data_ptr(), nthreads=1,
         )  # fmt: skip
+        rc = model.lib.sw_forward(ctypes.byref(model._model), ctypes.byref(sw), ctypes.byref(sw_pass))
         assert rc == -8, (M, n_out, rc)
         assert "no tokens, or more output rows" in K.REFUSALS[rc]
 

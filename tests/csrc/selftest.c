@@ -209,7 +209,9 @@ static tiny make_tiny(int layer_fmt, int head_fmt, int act, int kv_bf16) {
 static void run(tiny* t, int M, const int64_t* tok, const int64_t* pos, const int32_t* slot, float* logits, int T) {
   int32_t rows[32];
   for (int i = 0; i < M; i++) rows[i] = i;
-  if (sw_forward(&t->m, &t->cache, M, tok, pos, slot, M, rows, logits, t->scratch, T) != 0) {
+  const sw_pass pass = {.M = M, .tokens = tok, .pos = pos, .slot = slot, .n_out = M, .out_rows = rows,
+                        .logits = logits, .scratch = t->scratch, .nthreads = T};
+  if (sw_forward(&t->m, &t->cache, &pass) != 0) {
     printf("DIFFERS: sw_forward refused a valid pass\n");
     failures++;
   }
@@ -358,9 +360,9 @@ static void fuzz_forward(tiny* t, int i) {
   float* features = own((size_t)n_frows * n_feat * C * 4);
   const int threads = pick(-1, 3);
   float* scratch = own(m > 0 ? (size_t)sw_scratch_floats(&t->m, m, POS, threads) * 4 : 0);
-  const int rc = sw_forward_features(&t->m, &t->cache, M, tok, pos, slot, n_out, rows, logits, n_feat, layers,
-                                     n_frows, frows, features, scratch, threads);
-  refused_as_expected(rc, valid, "sw_forward_features", i);
+  const sw_pass pass = {M, tok, pos, slot, n_out, rows, logits, n_feat, layers, n_frows, frows, features, scratch,
+                        threads};
+  refused_as_expected(sw_forward(&t->m, &t->cache, &pass), valid, "sw_forward", i);
   free(tok), free(pos), free(slot), free(rows), free(layers), free(frows), free(logits), free(features), free(scratch);
 }
 

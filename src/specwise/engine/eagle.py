@@ -530,10 +530,13 @@ class NativeHead:
             cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16), cache.num_slots,
             cache.max_len, cache.capacity,
         )  # fmt: skip
+        sw_pass = K.SwPass(
+            M=M, tokens=tokens.data_ptr(), pos=positions.data_ptr(), slot=slots.data_ptr(), logits=logits.data_ptr(),
+            scratch=self._scratch.data_ptr(), nthreads=threads,
+        )  # fmt: skip
         rc = self.lib.sw_head_step(
-            ctypes.byref(self._head), ctypes.byref(sw_cache), M, tokens.data_ptr(), positions.data_ptr(),
-            slots.data_ptr(), hidden.data_ptr(), int(fused), logits.data_ptr(), pre.data_ptr(),
-            self._scratch.data_ptr(), threads,
+            ctypes.byref(self._head), ctypes.byref(sw_cache), ctypes.byref(sw_pass), hidden.data_ptr(), int(fused),
+            pre.data_ptr(),
         )  # fmt: skip
         K.check_pass(rc, "draft head pass")
         return logits, pre

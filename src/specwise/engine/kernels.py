@@ -1,7 +1,8 @@
 """The native CPU kernels (csrc/): one library per instruction-set variant, built once per machine, chosen at load.
 
-A library is csrc/decoder.c plus one csrc/gemm_<variant>.c (csrc/kernels.h states the contract they keep and the
-weights' block layouts), compiled with the system C compiler into the cache and loaded with ctypes. Which variant
+A library is the shared parts (csrc/pool.c, linear.c, attention.c, decoder.c, on the vector primitives of
+csrc/simd.h) plus one csrc/gemm_<variant>.c (csrc/kernels.h states the contract they keep and the weights' block
+layouts), compiled with the system C compiler into the cache and loaded with ctypes. Which variant
 runs is decided here and only here (`choose`): `$SPECWISE_KERNELS` = auto | generic | avx2 | avx512 | neon, auto
 taking the widest one this CPU has; a variant the CPU cannot execute is refused with the features it lacks (never
 a SIGILL). Every variant computes the same bits (kernels.h), so the variant is provenance, not part of a target's
@@ -35,7 +36,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 8
+ABI = 9
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -97,7 +98,7 @@ _libs: dict[str, ctypes.CDLL] = {}
 _failures: dict[str, str] = {}
 
 
-# What a pass's nonzero return code means (sw_forward_features and sw_head_step share them; decoder.c states them).
+# What a pass's nonzero return code means (sw_forward and sw_head_step share them; kernels.h states them).
 REFUSALS = {
     -1: "a position outside its cache or the model's context",
     -2: "a slot outside its cache",
@@ -175,6 +176,27 @@ class SwCache(ctypes.Structure):
         ("slots", ctypes.c_int32),
         ("max_len", ctypes.c_int32),
         ("capacity", ctypes.c_int32),
+    ]
+
+
+class SwPass(ctypes.Structure):
+    """One pass's rows and buffers (csrc/kernels.h sw_pass)."""
+
+    _fields_ = [
+        ("M", ctypes.c_int32),
+        ("tokens", _P),
+        ("pos", _P),
+        ("slot", _P),
+        ("n_out", ctypes.c_int32),
+        ("out_rows", _P),
+        ("logits", _P),
+        ("n_feat", ctypes.c_int32),
+        ("feat_layers", _P),
+        ("n_frows", ctypes.c_int32),
+        ("feat_rows", _P),
+        ("features", _P),
+        ("scratch", _P),
+        ("nthreads", ctypes.c_int32),
     ]
 
 
@@ -279,8 +301,12 @@ def flags(variant: str, features: frozenset[str] | None = None) -> list[str]:
     return ["-DSW_PORTABLE", *(["-march=armv8-a"] if arch == "aarch64" else [])]
 
 
+SHARED_SOURCES = ("pool.c", "linear.c", "attention.c", "decoder.c")  # every variant's library: csrc/kernels.h
+
+
 def sources(variant: str) -> list[Path]:
-    return [CSRC / "decoder.c", CSRC / f"gemm_{variant}.c"]
+    """The C files of a variant's library: the shared parts and the variant's products."""
+    return [*(CSRC / name for name in SHARED_SOURCES), CSRC / f"gemm_{variant}.c"]
 
 
 def _compiler() -> str | None:
@@ -352,7 +378,7 @@ def library(variant: str | None = None) -> ctypes.CDLL:
             )
             raise Unsupported(_failures[variant])
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-        texts = [p.read_text() for p in [CSRC / "kernels.h", *sources(variant)]]
+        texts = [p.read_text() for p in [*sorted(CSRC.glob("*.h")), *sources(variant)]]
         key = hashlib.sha256(
             "\n".join([*texts, " ".join(COMMON_FLAGS + flags(variant) + extra_flags()), *version, str(ABI)]).encode()
         ).hexdigest()[:20]
@@ -377,17 +403,11 @@ def library(variant: str | None = None) -> ctypes.CDLL:
         lib.sw_quantize_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P]
         lib.sw_scratch_floats.argtypes = [ctypes.POINTER(SwModel), _I, _I, _I]
         lib.sw_scratch_floats.restype = ctypes.c_long
-        lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), _I, _P, _P, _P, _I, _P, _P, _P, _I]
-        lib.sw_forward_features.argtypes = [
-            ctypes.POINTER(SwModel),
-            ctypes.POINTER(SwCache),
-            *(_I, _P, _P, _P, _I, _P, _P),
-            *(_I, _P, _I, _P, _P, _P, _I),
-        ]
+        lib.sw_forward.argtypes = [ctypes.POINTER(SwModel), ctypes.POINTER(SwCache), ctypes.POINTER(SwPass)]
         lib.sw_head_scratch_floats.argtypes = [ctypes.POINTER(SwHead), _I, _I, _I]
         lib.sw_head_scratch_floats.restype = ctypes.c_long
         head, cache = ctypes.POINTER(SwHead), ctypes.POINTER(SwCache)
-        lib.sw_head_step.argtypes = [head, cache, _I, *(_P,) * 4, _I, *(_P,) * 3, _I]
+        lib.sw_head_step.argtypes = [head, cache, ctypes.POINTER(SwPass), _P, _I, _P]
         lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
         lib.sw_stream.restype = ctypes.c_uint64
         _libs[variant] = lib

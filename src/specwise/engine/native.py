@@ -2,7 +2,7 @@
 
 `NativeDecoder.forward_tokens` runs any set of tokens — a prompt chunk, one-token steps, (k+1)-token verification
 rows of several sequences — each at its own (slot, position), and returns logits only for the rows asked for. Every
-row's result is bitwise independent of the others in the pass (see csrc/kernels.c), which is what makes
+row's result is bitwise independent of the others in the pass (see csrc/kernels.h), which is what makes
 speculative greedy output equal plain greedy output, alone or batched, in every precision offered:
 
 - ``float32``  every linear layer in fp32 (the reference), fp32 KV cache;
@@ -513,7 +513,7 @@ class NativeDecoder:
             self.cfg.head_dim,
             dtype=self.kv_dtype,
             empty=True,
-            capacity=-(-max_len // 16) * 16,  # keys are kept in blocks of 16 positions (csrc/decoder.c)
+            capacity=-(-max_len // 16) * 16,  # keys are kept in blocks of 16 positions (csrc/kernels.h sw_kv)
         )
 
     def forward_tokens(
@@ -600,9 +600,7 @@ class NativeDecoder:
             need = self.lib.sw_scratch_floats(ctypes.byref(self._model), M, cache.capacity, threads)
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need)
-            rc = self.lib.sw_forward_features(
-                ctypes.byref(self._model),
-                ctypes.byref(sw_cache),
+            sw_pass = K.SwPass(
                 M,
                 tokens.data_ptr(),
                 positions.data_ptr(),
@@ -618,6 +616,7 @@ class NativeDecoder:
                 self._scratch.data_ptr(),
                 threads,
             )
+            rc = self.lib.sw_forward(ctypes.byref(self._model), ctypes.byref(sw_cache), ctypes.byref(sw_pass))
         K.check_pass(rc, "forward pass")
         return logits, features
 

@@ -316,42 +316,34 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     }
 }
 
-/* Rows in tiles of at most ROWS_TILE, as even as M allows. A tile of one or two rows sweeps both halves of the
- * block at once (each weight line is read once, the broadcast serves both); larger tiles one half at a time, the
- * block's weights coming from L1 the second time. */
+/* A tile of one or two rows sweeps both halves of the block at once (each weight line is read once, the broadcast
+ * serves both); larger tiles one half at a time, the block's weights coming from L1 the second time. */
 #ifndef ROWS_TILE
 #define ROWS_TILE 4
 #endif
-#define TILE(KERNEL, R)                                 \
-  do {                                                  \
-    if ((R) <= 2)                                       \
-      KERNEL(L, blk, &Xr, out + r * 32, 0, 2, (R));     \
-    else                                                \
-      for (int h = 0; h < 2; h++) KERNEL(L, blk, &Xr, out + r * 32, h, 1, (R)); \
-  } while (0)
-#define DISPATCH(KERNEL)                                                                                      \
-  do {                                                                                                        \
-    const int tiles = (M + ROWS_TILE - 1) / ROWS_TILE;                                                        \
-    for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
-      const int R = (M - r) / (tiles - i);                                                                    \
-      const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
-                           X->sum + (size_t)r * KB, X->half + (size_t)r * KB, K};                             \
-      switch (R) {                                                                                            \
-        case 1: TILE(KERNEL, 1); break;                                                                       \
-        case 2: TILE(KERNEL, 2); break;                                                                       \
-        case 3: TILE(KERNEL, 3); break;                                                                       \
-        default: TILE(KERNEL, 4); break;                                                                      \
-      }                                                                                                       \
-      r += R;                                                                                                 \
-    }                                                                                                         \
+const int sw_int8_tile_rows = ROWS_TILE;
+
+#define HALVES(KERNEL, R)                                                      \
+  do {                                                                         \
+    if ((R) <= 2)                                                              \
+      KERNEL(L, blk, X, out, 0, 2, (R));                                       \
+    else                                                                       \
+      for (int h = 0; h < 2; h++) KERNEL(L, blk, X, out, h, 1, (R));           \
   } while (0)
 
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
-  const int K = L->k, KB = K / 32;
-  switch (L->fmt) {
-    case SW_Q4: DISPATCH(q4_rows); break;
-    case SW_Q5: DISPATCH(q5_rows); break;
-    case SW_Q6: DISPATCH(q6_rows); break;
-    default: DISPATCH(q8_rows); break;
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
+#define ROWS(KERNEL)                                   \
+  switch (R) {                                         \
+    case 1: HALVES(KERNEL, 1); break;                  \
+    case 2: HALVES(KERNEL, 2); break;                  \
+    case 3: HALVES(KERNEL, 3); break;                  \
+    default: HALVES(KERNEL, ROWS_TILE); break;         \
   }
+  switch (L->fmt) {
+    case SW_Q4: ROWS(q4_rows); break;
+    case SW_Q5: ROWS(q5_rows); break;
+    case SW_Q6: ROWS(q6_rows); break;
+    default: ROWS(q8_rows); break;
+  }
+#undef ROWS
 }

@@ -267,32 +267,23 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
   }
 }
 
-/* Rows go in tiles of at most ROWS_TILE, as even as M allows (9 rows: 5 + 4, not 6 + 3). */
-#define DISPATCH(KERNEL)                                                                                      \
-  do {                                                                                                        \
-    const int tiles = (M + ROWS_TILE - 1) / ROWS_TILE;                                                        \
-    for (int i = 0, r = 0; i < tiles; i++) {                                                                  \
-      const int R = (M - r) / (tiles - i);                                                                    \
-      const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,                \
-                           X->sum + (size_t)r * KB, X->half + (size_t)r * KB, K};                             \
-      switch (R) {                                                                                            \
-        case 1: KERNEL(L, blk, &Xr, out + r * 32, 1); break;                                                  \
-        case 2: KERNEL(L, blk, &Xr, out + r * 32, 2); break;                                                  \
-        case 3: KERNEL(L, blk, &Xr, out + r * 32, 3); break;                                                  \
-        case 4: KERNEL(L, blk, &Xr, out + r * 32, 4); break;                                                  \
-        case 5: KERNEL(L, blk, &Xr, out + r * 32, 5); break;                                                  \
-        default: KERNEL(L, blk, &Xr, out + r * 32, 6); break;                                                 \
-      }                                                                                                       \
-      r += R;                                                                                                 \
-    }                                                                                                         \
-  } while (0)
+const int sw_int8_tile_rows = ROWS_TILE;
 
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
-  const int K = L->k, KB = K / 32;
-  switch (L->fmt) {
-    case SW_Q4: DISPATCH(q4_rows); break;
-    case SW_Q5: DISPATCH(q5_rows); break;
-    case SW_Q6: DISPATCH(q6_rows); break;
-    default: DISPATCH(q8_rows); break;
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
+#define ROWS(KERNEL)                                     \
+  switch (R) {                                           \
+    case 1: KERNEL(L, blk, X, out, 1); break;            \
+    case 2: KERNEL(L, blk, X, out, 2); break;            \
+    case 3: KERNEL(L, blk, X, out, 3); break;            \
+    case 4: KERNEL(L, blk, X, out, 4); break;            \
+    case 5: KERNEL(L, blk, X, out, 5); break;            \
+    default: KERNEL(L, blk, X, out, ROWS_TILE); break;   \
   }
+  switch (L->fmt) {
+    case SW_Q4: ROWS(q4_rows); break;
+    case SW_Q5: ROWS(q5_rows); break;
+    case SW_Q6: ROWS(q6_rows); break;
+    default: ROWS(q8_rows); break;
+  }
+#undef ROWS
 }

@@ -93,7 +93,10 @@ static void one_row(const sw_linear* L, int blk, const sw_qrows* X, float* out) 
   for (int c = 0; c < 32; c++) out[c] = acc[c];
 }
 
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
+/* Any number of rows: a 32-block is unpacked once for all of them. */
+const int sw_int8_tile_rows = SW_MAX_ROWS;
+
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
   const int K = L->k, KB = K / 32;
   if (M == 1 && (L->fmt == SW_Q8 || L->fmt == SW_Q4)) {
     one_row(L, blk, X, out);

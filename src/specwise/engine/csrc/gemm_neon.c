@@ -239,36 +239,31 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     for (int c = 0; c < NC; c++) vst1q_f32(out + r * 32 + 4 * (c0 + c), acc[r][c]);
 }
 
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
-  const int K = L->k, KB = K / 32;
-  for (int r = 0; r < M; r += 2) {
-    const sw_qrows Xr = {X->q + (size_t)r * K, X->d + (size_t)r * KB, X->s + (size_t)r * KB,
-                         X->sum + (size_t)r * KB, X->half + (size_t)r * KB, K};
-    const int two = M - r >= 2;
-    if (L->fmt != SW_Q8) {
-      const int bits = L->fmt == SW_Q4 ? 4 : L->fmt == SW_Q5 ? 5 : 6;
-#define QN(BITS)                                                    \
-  do {                                                              \
-    if (two) {                                                      \
-      qn_rows(L, blk, &Xr, out + r * 32, 0, 2, 2, BITS);            \
-      qn_rows(L, blk, &Xr, out + r * 32, 2, 2, 2, BITS);            \
-    } else {                                                        \
-      qn_rows(L, blk, &Xr, out + r * 32, 0, 4, 1, BITS);            \
-    }                                                               \
-  } while (0)
-      if (bits == 4)
-        QN(4);
-      else if (bits == 5)
-        QN(5);
-      else
-        QN(6);
-#undef QN
-    } else {
-      if (two) {
-        for (int c = 0; c < 8; c += 4) q8_rows(L, blk, &Xr, out + r * 32, c, 4, 2);
-      } else {
-        q8_rows(L, blk, &Xr, out + r * 32, 0, 8, 1);
-      }
-    }
+const int sw_int8_tile_rows = 2; /* a pair of rows shares each weight load */
+
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
+  const int two = R >= 2;
+  if (L->fmt == SW_Q8) {
+    if (two)
+      for (int c = 0; c < 8; c += 4) q8_rows(L, blk, X, out, c, 4, 2);
+    else
+      q8_rows(L, blk, X, out, 0, 8, 1);
+    return;
   }
+#define QN(BITS)                                   \
+  do {                                             \
+    if (two) {                                     \
+      qn_rows(L, blk, X, out, 0, 2, 2, BITS);      \
+      qn_rows(L, blk, X, out, 2, 2, 2, BITS);      \
+    } else {                                       \
+      qn_rows(L, blk, X, out, 0, 4, 1, BITS);      \
+    }                                              \
+  } while (0)
+  if (L->fmt == SW_Q4)
+    QN(4);
+  else if (L->fmt == SW_Q5)
+    QN(5);
+  else
+    QN(6);
+#undef QN
 }

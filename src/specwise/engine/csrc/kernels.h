@@ -79,7 +79,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 8
+#define SW_ABI 9
 
 enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3, SW_Q5 = 4, SW_Q6 = 5 };
 enum { SW_SCALES_F32 = 0, SW_SCALES_F16 = 1, SW_SCALES_K = 2, SW_SCALES_K6 = 3 };
@@ -161,30 +161,52 @@ typedef struct {
 /* --- the library's entry points (decoder.c) ------------------------------------------------------------------ */
 
 int sw_abi(void);
+
+/* One pass of M tokens through a decoder (or a draft head): token i at position pos[i] of cache slot slot[i]. The
+ * logits of rows out_rows[0..n_out) go to logits (n_out × vocab; a head writes every row's). With n_feat > 0, the
+ * hidden states of rows feat_rows[0..n_frows) (a set of their own: a prompt's rows need features, not logits)
+ * entering layers feat_layers[0..n_feat) (0: the embeddings, n_layers: the last layer's output before the final
+ * norm) go to features (n_frows × n_feat × hidden); reading them changes nothing the pass computes. scratch holds
+ * the floats sw_scratch_floats (sw_head_scratch_floats) gives for M rows; nthreads is clamped to 1..64. */
+typedef struct {
+  int32_t M;
+  const int64_t* tokens;
+  const int64_t* pos;
+  const int32_t* slot;
+  int32_t n_out;
+  const int32_t* out_rows;
+  float* logits;
+  int32_t n_feat;
+  const int32_t* feat_layers;
+  int32_t n_frows;
+  const int32_t* feat_rows;
+  float* features;
+  float* scratch;
+  int32_t nthreads;
+} sw_pass;
+
 /* Floats of scratch sw_forward needs for M tokens. */
 long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads);
-/* Run M tokens (token i at position pos[i] of cache slot slot[i]) through the decoder and write the logits of rows
- * out_rows[0..n_out) into logits (n_out × vocab). 0, or a negative code for an input it refuses. */
-int sw_forward(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
-               const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, float* scratch, int nthreads);
-/* sw_forward, and the hidden states of rows feat_rows[0..n_frows) (a set of their own) entering layers
- * feat_layers[0..n_feat) (0: the embeddings, n_layers: the last layer's output before the final norm) into features
- * (n_frows × n_feat × hidden); -7 for a layer outside 0..n_layers, -4 for a row outside the pass. Reading them
- * changes nothing the pass computes. */
-int sw_forward_features(const sw_model* m, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
-                        const int32_t* slot, int n_out, const int32_t* out_rows, float* logits, int n_feat,
-                        const int32_t* feat_layers, int n_frows, const int32_t* feat_rows, float* features,
-                        float* scratch, int nthreads);
+/* Run a pass through the decoder. 0, or a negative code for an input it refuses: -1 a position outside the cache or
+ * the context, -2 a slot outside the cache, -3 a token outside the vocabulary, -4 an output or feature row outside
+ * the pass, -5 a cache of another layout, -6 weights whose shapes do not match the sizes, -7 a feature layer outside
+ * the model, -8 no tokens or more outputs than tokens, -9 attention's memory could not be allocated. */
+int sw_forward(const sw_model* m, const sw_cache* cache, const sw_pass* pass);
 /* y (M×n) = x (M×k)·Wᵀ (+ bias), or y += that when accumulate. */
 int sw_gemm(const sw_linear* L, const float* x, int M, int ldx, float* y, int ldy, int accumulate, int nthreads);
 void sw_quantize_rows(const float* x, int M, int ldx, int K, int8_t* q, float* d, float* s, int32_t* sum,
                       int32_t* half);
 uint64_t sw_stream(const void* buf, size_t bytes, int nthreads);
-/* Floats of scratch sw_head_step needs for M rows; one head pass (decoder.c says what it computes). */
+/* Floats of scratch sw_head_step needs for M rows. */
 long sw_head_scratch_floats(const sw_head* h, int M, int capacity, int nthreads);
-int sw_head_step(const sw_head* h, const sw_cache* cache, int M, const int64_t* tokens, const int64_t* pos,
-                 const int32_t* slot, const float* hidden, int fused, float* logits, float* out_hidden, float* scratch,
-                 int nthreads);
+/* One pass of a draft head over the pass's M rows (one layer): its input the target's features (M ×
+ * n_features·hidden, fused by fc) or, when `fused`, the head's own hidden state (M × hidden). The attention input is
+ * [input_norm(embed(token)) | hidden_norm(g)]; then the decoder layer, the final norm and the LM head over the draft
+ * vocabulary: logits (M × lm.n) and the hidden state before the norm (out_hidden, M × hidden). One call for what
+ * took eleven: the head runs between target passes, where every call's overhead is paid on cold caches. 0, or
+ * sw_forward's codes (-5 also for a bf16 cache). */
+int sw_head_step(const sw_head* h, const sw_cache* cache, const sw_pass* pass, const float* hidden, int fused,
+                 float* out_hidden);
 
 /* --- what each gemm_<variant>.c provides --------------------------------------------------------------------- */
 
@@ -196,8 +218,11 @@ const char* sw_variant_detail(void);
  * of one column block), x rows at x + r·ldx. acc is read and written back: a caller may cut K into tiles. */
 void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, float* acc);
 
-/* int8 activations: out[r][0..31] = the contract's acc for rows 0..M-1 of X and column block blk (Q8, Q4, Q5, Q6). */
-void sw_int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out);
+/* int8 activations: out[r][0..31] = the contract's acc for rows 0..R-1 of X and column block blk (Q8, Q4, Q5, Q6),
+ * R ≤ sw_int8_tile_rows: one tile of rows sharing each weight load (its register budget; linear.c splits a pass's
+ * rows into tiles). */
+extern const int sw_int8_tile_rows;
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out);
 
 /* --- what decoder.c provides to the variants and to its callers ---------------------------------------------- */
 
