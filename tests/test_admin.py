@@ -13,7 +13,7 @@ from test_monitor import NGRAM, TARGET, entries, write_baseline
 from test_server import serve_process
 
 from specwise.monitor.drift import load_baseline
-from specwise.monitor.live import DriftWatch
+from specwise.monitor.live import DriftWatch, WatchOptions
 from specwise.monitor.requestlog import RequestLog
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -166,7 +166,7 @@ def test_without_an_admin_key_the_admin_api_is_off(tiny_dir):
 def test_drift_reverts_once_in_revert_mode_and_never_in_alert_mode(tmp_path, mode):
     base = load_baseline(write_baseline(tmp_path / "run.db"))
     calls: list[str] = []
-    watch = DriftWatch(None, baseline=base, on_drift=mode, revert=calls.append)
+    watch = DriftWatch(None, WatchOptions(on_drift=mode), base, revert=calls.append)
     for e in entries(n=40):  # familiar traffic
         watch.observe(e)
     assert calls == []

@@ -301,11 +301,11 @@ def test_a_busy_share_outside_zero_and_one_is_refused_by_the_runner(tmp_path):
 
 def test_a_logging_server_samples_the_background_and_the_monitor_names_a_busy_window(tmp_path):
     from specwise.monitor.drift import Baseline, background_lines
-    from specwise.monitor.live import DriftWatch
+    from specwise.monitor.live import DriftWatch, WatchOptions
     from specwise.monitor.requestlog import RequestLog
 
     log = tmp_path / "requests.db"
-    watch = DriftWatch(None, str(log), background_every=0.5)
+    watch = DriftWatch(None, WatchOptions(str(log), background_every=0.5))
     with busy_elsewhere():
         time.sleep(1.8)
     watch.close()

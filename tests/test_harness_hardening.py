@@ -25,7 +25,7 @@ from test_server import free_port
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import Request
 from specwise.harness.config import Config
-from specwise.harness.http_backend import HTTPBackend
+from specwise.harness.http_backend import EndpointOptions, HTTPBackend
 from specwise.harness.load import parse_load
 from specwise.harness.validate import run_validators
 from specwise.harness.workload import load_workload
@@ -157,7 +157,9 @@ class Endless(BaseHTTPRequestHandler):
 def test_every_request_ends_by_its_deadline_and_counts_beyond_its_tokens_are_its_error():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    backend = HTTPBackend(f"http://127.0.0.1:{server.server_port}", None, [Config("baseline")], request_timeout=1.5)
+    backend = HTTPBackend(
+        f"http://127.0.0.1:{server.server_port}", None, [Config("baseline")], EndpointOptions(request_timeout=1.5)
+    )
     names = ["pings", "endless", "long-line", "vllm-huge", "too-many-steps"]
     records = []
     requests = [Request(p, [], 0, i, p, 4) for i, p in enumerate(names)]
@@ -181,7 +183,7 @@ def test_every_request_ends_by_its_deadline_and_counts_beyond_its_tokens_are_its
 
 def test_a_request_deadline_must_be_positive():
     with pytest.raises(SpecwiseError, match="--request-timeout 0 is not allowed"):
-        HTTPBackend("http://127.0.0.1:1", "m", [Config("baseline")], request_timeout=0)
+        HTTPBackend("http://127.0.0.1:1", "m", [Config("baseline")], EndpointOptions(request_timeout=0))
 
 
 # --- item 13: launched servers ---------------------------------------------------------------------------------------

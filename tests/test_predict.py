@@ -13,7 +13,7 @@ from test_evaluate import cli
 
 from specwise.engine import Engine, SamplingParams
 from specwise.engine.drafters import make_drafter
-from specwise.engine.replay import replay
+from specwise.engine.replay import DraftRule, replay
 from specwise.errors import SpecwiseError
 from specwise.harness.predict import PassCosts
 
@@ -31,7 +31,10 @@ def _counts(stats) -> tuple:
 
 def _replayed(target, spec: str, k: int, prompts_ids, outputs, params, cache_len: int, max_len: int):
     drafter = make_drafter(spec, target, 1, cache_len)
-    return [replay(drafter, p, o, k, params.max_new_tokens, max_len) for p, o in zip(prompts_ids, outputs, strict=True)]
+    return [
+        replay(drafter, p, o, DraftRule(k, params.max_new_tokens, max_len))
+        for p, o in zip(prompts_ids, outputs, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -63,7 +66,7 @@ def test_replayed_acceptance_equals_a_batched_seeded_coupled_run(embedded, k):
     assert [r.token_ids for r in spec_results] == [r.token_ids for r in plain]
     drafter = make_drafter("ngram", embedded, 1, engine.cache_len)
     for p, base, s, sp in zip(PROMPTS, plain, spec_results, params, strict=True):
-        out = replay(drafter, engine.encode_prompt(p), base.token_ids, k, sp.max_new_tokens, engine.max_len)
+        out = replay(drafter, engine.encode_prompt(p), base.token_ids, DraftRule(k, sp.max_new_tokens, engine.max_len))
         if out.open_steps == 0:
             assert _counts(out.counts) == _counts(s.stats)
         else:  # the draft reached past EOS there: the run may have accepted more than the output shows
@@ -74,7 +77,7 @@ def test_replayed_acceptance_equals_a_batched_seeded_coupled_run(embedded, k):
 def test_replay_never_drafts_past_max_tokens_and_counts_the_prefill_token_as_no_step(embedded):
     tokens = list(range(5, 25))  # any ids: an n-gram drafter over a repeating prompt
     prompt = tokens * 3
-    out = replay(make_drafter("ngram", embedded, 1, 4096), prompt, tokens[:10], 8, 10, 4096)
+    out = replay(make_drafter("ngram", embedded, 1, 4096), prompt, tokens[:10], DraftRule(8, 10, 4096))
     assert out.counts.steps >= 1 and out.counts.accepted + out.counts.steps == 10 - 1  # every token after the first
     assert all(d <= 8 for d in [len(out.counts.drafted_per_position)])
     assert out.counts.drafted <= 8 * out.counts.steps and out.open_steps == 0
@@ -167,6 +170,6 @@ def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_d
         guesses = greedy_guesses(drafter, ids, out)
         assert len(guesses) == len(out)
         for k in (1, 4, 8):
-            fast = replay_guesses(guesses, len(ids), out, k, MAX_NEW, plain.max_len)
-            slow = replay(drafter, ids, out, k, MAX_NEW, plain.max_len)
+            fast = replay_guesses(guesses, len(ids), out, DraftRule(k, MAX_NEW, plain.max_len))
+            slow = replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             assert _counts(fast.counts) == _counts(slow.counts) and fast.open_steps == slow.open_steps, (prompt, k)

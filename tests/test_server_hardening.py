@@ -24,7 +24,7 @@ from test_server import PROMPTS, SlowEngine, alone, free_port, serving
 from specwise.engine import Engine, load_target
 from specwise.harness.provenance import Target
 from specwise.monitor.drift import Baseline
-from specwise.monitor.live import DriftWatch
+from specwise.monitor.live import DriftWatch, WatchOptions
 from specwise.monitor.requestlog import LogEntry, RequestLog
 
 
@@ -310,7 +310,7 @@ def _entry(i: int, text: str | None = None) -> LogEntry:
 def test_the_request_log_is_owner_only_written_off_the_loop_and_opened_by_its_real_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "req#1.db"
-    watch = DriftWatch(None, str(path), log_text=True)
+    watch = DriftWatch(None, WatchOptions(str(path), log_text=True))
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     gate = threading.Event()
     real_add = watch.log.add
@@ -332,7 +332,7 @@ def test_the_request_log_is_owner_only_written_off_the_loop_and_opened_by_its_re
 
 def test_the_drift_window_keeps_counts_not_text(tmp_path):
     base = Baseline("run.db", "spec", Target(), None, None, [0.5], [2.0], [5.0], [7.0], None, None)
-    watch = DriftWatch(None, str(tmp_path / "log.db"), log_text=True, baseline=base, max_recent=10)
+    watch = DriftWatch(None, WatchOptions(str(tmp_path / "log.db"), log_text=True, max_recent=10), base)
     for i in range(30):
         watch.observe(_entry(i, "x" * 100_000))
     watch.close()

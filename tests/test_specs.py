@@ -3,7 +3,7 @@
 import pytest
 
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, check_drafter_spec, check_k_max, parse_k
+from specwise.specs import K_MAX, check_drafter_spec, parse_k
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), (1, 1), ("7", 7), (K_MAX, K_MAX)])
@@ -16,13 +16,6 @@ def test_parse_k_refuses_with_the_allowed_range(value):
     with pytest.raises(SpecwiseError, match=f"from 1 to {K_MAX}") as e:
         parse_k(value)
     assert e.value.param == "k"
-
-
-def test_k_max_range():
-    assert check_k_max(K_MAX) == K_MAX
-    with pytest.raises(SpecwiseError, match="k_max=0") as e:
-        check_k_max(0)
-    assert e.value.param == "k_max"
 
 
 @pytest.mark.parametrize("spec", ["ngram", "ngram:2", "model:/some/path", "int8", "layerskip:0-29/2"])

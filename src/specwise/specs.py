@@ -69,13 +69,6 @@ def parse_threshold(text: str, flag: str = "--policy-threshold") -> tuple[int, i
     return int(high), int(low) if low else None
 
 
-def check_k_max(k_max: object) -> int:
-    """The cap of adaptive draft lengths: 1..K_MAX."""
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:
-        raise SpecwiseError(f"k_max={k_max!r} is not allowed: it must be from 1 to {K_MAX}", param="k_max")
-    return k_max
-
-
 def check_drafter_spec(spec: object) -> str:
     """A drafter spec's grammar (what it names is checked where the drafter is built: the file, the layers)."""
     kind, sep, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")

@@ -77,7 +77,14 @@ def _replay(args, measured, records, ks):
     pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
     from specwise.engine.drafters import ModelDrafter, make_drafter
-    from specwise.engine.replay import can_guess, draft_token_seconds, greedy_guesses, replay, replay_guesses
+    from specwise.engine.replay import (
+        DraftRule,
+        can_guess,
+        draft_token_seconds,
+        greedy_guesses,
+        replay,
+        replay_guesses,
+    )
     from specwise.harness.backends import WARM_UP
     from specwise.harness.evaluate import engine_batch, workload_from
     from specwise.harness.predict import Replay
@@ -121,7 +128,7 @@ def _replay(args, measured, records, ks):
             guesses = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
             for k in ks:
                 limit = limits[r.task_id]
-                out = replay_guesses(guesses, r.prompt_tokens, r.tokens, k, limit, engine.max_len, per_token)
+                out = replay_guesses(guesses, r.prompt_tokens, r.tokens, DraftRule(k, limit, engine.max_len), per_token)
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
     else:
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
@@ -129,10 +136,10 @@ def _replay(args, measured, records, ks):
         warm_ids = engine.encode_prompt(WARM_UP[0])
         for k in ks:
             drafter = make_drafter(args.drafter, target, 1, engine.cache_len)  # a fresh history per k (suffix)
-            replay(drafter, warm_ids, warm.token_ids, k, WARM_UP[1], engine.max_len)
+            replay(drafter, warm_ids, warm.token_ids, DraftRule(k, WARM_UP[1], engine.max_len))
             for r in ordered:
                 assert r.tokens is not None
-                out = replay(drafter, prompts[r.task_id], r.tokens, k, limits[r.task_id], engine.max_len)
+                out = replay(drafter, prompts[r.task_id], r.tokens, DraftRule(k, limits[r.task_id], engine.max_len))
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
 
     def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch

@@ -7,21 +7,32 @@ rollback: the next pass writes over them. Attention only ever reads positions at
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 
+class KVShape(NamedTuple):
+    """A model's cache geometry: layers, key-value heads, and dimensions per head."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kernel_capacity(max_len: int) -> int:
+    """Positions the CPU kernels allocate for max_len: whole blocks of 16 (csrc/kernels.h sw_kv)."""
+    return -(-max_len // 16) * 16
+
+
 class KVCache:
-    """Keys and values for `num_layers` layers, `num_slots` sequences and up to `max_len` positions each."""
+    """Keys and values for `num_slots` sequences of up to `max_len` positions each, in a model's geometry."""
 
     def __init__(
         self,
-        num_layers: int,
+        geometry: KVShape,
         num_slots: int,
-        num_kv_heads: int,
         max_len: int,
-        head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         empty: bool = False,
@@ -29,7 +40,7 @@ class KVCache:
     ):
         # `capacity`: positions allocated per slot, ≥ max_len (the CPU kernels keep keys in blocks of 16 positions)
         self.capacity = capacity or max_len
-        shape = (num_layers, num_slots, num_kv_heads, self.capacity, head_dim)
+        shape = (geometry.num_layers, num_slots, geometry.num_kv_heads, self.capacity, geometry.head_dim)
         # `empty`: left unwritten (memory is only committed as positions are first written) — for readers that never
         # look past a query's own position (the CPU kernels); the reference decoder masks padded reads, so zeros.
         make = torch.empty if empty else torch.zeros

@@ -108,21 +108,17 @@ class FixedK:
 class AdaptiveK:
     """Per-request k from the online acceptance estimate and the measured costs."""
 
+    start_k = 2  # drafted before any verification cost is measured
+    prior_weight = 1.0  # how many draft positions the prior acceptance counts for
+    decay = 0.9  # each observed step's weight against the older ones
+    probe_every = 8  # plain steps between probes while drafting does not pay (doubles after a failed probe)
+    max_probe_every = 64
+
     def __init__(
-        self,
-        costs: CostModel,
-        k_max: int = DEFAULT_K_MAX,
-        start_k: int = 2,
-        prior_alpha: float = 0.5,
-        prior_weight: float = 1.0,
-        decay: float = 0.9,
-        probe_every: int = 8,
-        max_probe_every: int = 64,
-        drafter: str | None = None,
+        self, costs: CostModel, k_max: int = DEFAULT_K_MAX, prior_alpha: float = 0.5, drafter: str | None = None
     ):
-        self.costs, self.k_max, self.start_k, self.drafter = costs, k_max, start_k, drafter
-        self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.costs, self.k_max, self.drafter, self.prior_alpha = costs, k_max, drafter, prior_alpha
+        self.probe_every = AdaptiveK.probe_every
         self.successes = 0.0  # decayed count of accepted draft positions
         self.trials = 0.0  # decayed count of draft positions verification looked at
         self.plain_steps = 0
@@ -136,7 +132,9 @@ class AdaptiveK:
         if drafted == 0:
             return
         if self.probing:  # a failed probe waits twice as long for the next one; a success resets the wait
-            self.probe_every = min(2 * self.probe_every, self.max_probe_every) if accepted == 0 else 8
+            self.probe_every = (
+                min(2 * self.probe_every, self.max_probe_every) if accepted == 0 else AdaptiveK.probe_every
+            )
             self.probing = False
         # Positions after the first rejection were never judged: n successes, then one failure if n < k.
         self.successes = self.decay * self.successes + accepted

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specwise.engine import kernels as K
-from specwise.engine.cache import KVCache
+from specwise.engine.cache import KVCache, KVShape, kernel_capacity
 from specwise.engine.model import ModelConfig, rope_inv_freq
 from specwise.engine.native import NativeDecoder, pack
 from specwise.errors import SpecwiseError
@@ -482,16 +482,8 @@ class NativeHead:
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.target.cfg
-        return KVCache(
-            1,
-            num_slots,
-            c.num_kv_heads,
-            max_len,
-            c.head_dim,
-            dtype=torch.float32,
-            empty=True,
-            capacity=-(-max_len // 16) * 16,
-        )
+        geometry = KVShape(1, c.num_kv_heads, c.head_dim)
+        return KVCache(geometry, num_slots, max_len, torch.float32, empty=True, capacity=kernel_capacity(max_len))
 
     def step(
         self,

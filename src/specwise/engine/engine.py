@@ -48,7 +48,6 @@ from specwise.specs import (
     DEFAULT_PREFILL_CHUNK,
     K_MAX,
     VERIFY_METHODS,
-    check_k_max,
     check_verify,
     parse_k,
 )
@@ -145,7 +144,6 @@ class Engine:
         k: int | str = 4,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_len: int | None = None,
-        k_max: int = DEFAULT_K_MAX,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         verify: str = VERIFY_METHODS[0],
     ):
@@ -162,9 +160,9 @@ class Engine:
         self.max_len = min(max_len or DEFAULT_MAX_LEN, model_ctx - PAD_MARGIN)
         if self.max_len < 2:
             raise SpecwiseError(f"max_len={max_len!r} is too small: a context needs at least 2 tokens")
-        check_k_max(k_max)
         k_spec = parse_k(k)
-        self.k_max = max(k_max, k_spec) if isinstance(k_spec, int) else k_max  # the engine's own k always fits
+        # adaptive k's ceiling and the longest draft a request may ask for; the engine's own k always fits
+        self.k_max = max(DEFAULT_K_MAX, k_spec) if isinstance(k_spec, int) else DEFAULT_K_MAX
         self.k_spec = k_spec
         self.target, self.model, self.tokenizer = target, target.model, target.tokenizer
         self.vocab = output_size(self.model)

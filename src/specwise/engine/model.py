@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.engine.cache import KVCache, rows_index
+from specwise.engine.cache import KVCache, KVShape, rows_index
 from specwise.errors import SpecwiseError
 from specwise.specs import MODEL_CONTEXT_FALLBACK
 
@@ -175,6 +175,22 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
+@dataclass
+class PassContext:
+    """What every layer of one padded pass shares: RoPE tables at the rows' positions, the cache and where the rows
+    go in it (cache rows, positions, keys to read, the causal mask; `start` when every row sits at the same
+    consecutive positions, so the cache write is a slice)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: KVCache
+    rows: torch.Tensor | slice
+    positions: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+    start: int | None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -182,17 +198,22 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, rows, positions, length: int, mask, start):
+    def forward(self, x: torch.Tensor, ctx: PassContext, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.h + 2 * self.hkv, self.d)  # (B, T, H + 2·Hkv, D)
         qk = qkv[:, :, : self.h + self.hkv]
-        qk = qk * cos + rotate_half(qk) * sin  # RoPE on queries and keys in one go
+        qk = qk * ctx.cos + rotate_half(qk) * ctx.sin  # RoPE on queries and keys in one go
         q, k = qk[:, :, : self.h], qk[:, :, self.h :]  # (B, T, H, D), (B, T, Hkv, D)
         v = qkv[:, :, self.h + self.hkv :]  # (B, T, Hkv, D)
-        cache.write(layer, rows, positions, k, v, start)
-        keys, values = cache.read(layer, rows, length)  # (B, Hkv, S, D)
+        ctx.cache.write(layer, ctx.rows, ctx.positions, k, v, ctx.start)
+        keys, values = ctx.cache.read(layer, ctx.rows, ctx.length)  # (B, Hkv, S, D)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2).contiguous(), keys, values, attn_mask=mask, is_causal=False, enable_gqa=self.h != self.hkv
+            q.transpose(1, 2).contiguous(),
+            keys,
+            values,
+            attn_mask=ctx.mask,
+            is_causal=False,
+            enable_gqa=self.h != self.hkv,
         )  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.d))
 
@@ -217,8 +238,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, rows, positions, length, mask, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rows, positions, length, mask, start)
+    def forward(self, x: torch.Tensor, ctx: PassContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -320,15 +341,8 @@ class Decoder(nn.Module):
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(
-            len(self.layers),
-            num_slots,
-            self.cfg.num_kv_heads,
-            max_len,
-            self.cfg.head_dim,
-            dtype=p.dtype,
-            device=p.device,
-        )
+        geometry = KVShape(len(self.layers), self.cfg.num_kv_heads, self.cfg.head_dim)
+        return KVCache(geometry, num_slots, max_len, dtype=p.dtype, device=p.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int]) -> torch.Tensor:
@@ -347,7 +361,8 @@ class Decoder(nn.Module):
         first = int(positions[0, 0])
         same = bool((positions == torch.arange(first, first + T, device=positions.device)).all())
         start = int(first) if same else None
+        ctx = PassContext(cos, sin, cache, rows, positions, length, mask, start)
         x = self.embed_tokens(tokens)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, i, rows, positions, length, mask, start)
+            x = block(x, ctx, i)
         return self.lm_head(self.norm(x)).float()  # (B, T, V)

@@ -28,7 +28,7 @@ import torch
 
 from specwise.engine import gguf
 from specwise.engine import kernels as K
-from specwise.engine.cache import KVCache
+from specwise.engine.cache import KVCache, KVShape, kernel_capacity
 from specwise.engine.model import ModelConfig, rope_inv_freq
 from specwise.errors import SpecwiseError
 
@@ -491,7 +491,7 @@ class NativeDecoder:
         norms = self.weights.nbytes() - sum(by_format.values())
         c = self.cfg
         per_token = self.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
-        capacity = -(-max_len // 16) * 16
+        capacity = kernel_capacity(max_len)
         scratch = 4 * int(self.lib.sw_scratch_floats(ctypes.byref(self._model), rows, capacity, K.pool_threads()))
         rope = self.cos.numel() * 4 * 2
         return {
@@ -505,16 +505,8 @@ class NativeDecoder:
         }
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(
-            self.num_layers,
-            num_slots,
-            self.cfg.num_kv_heads,
-            max_len,
-            self.cfg.head_dim,
-            dtype=self.kv_dtype,
-            empty=True,
-            capacity=-(-max_len // 16) * 16,  # keys are kept in blocks of 16 positions (csrc/kernels.h sw_kv)
-        )
+        geometry = KVShape(self.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return KVCache(geometry, num_slots, max_len, self.kv_dtype, empty=True, capacity=kernel_capacity(max_len))
 
     def forward_tokens(
         self,

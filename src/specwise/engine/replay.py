@@ -55,18 +55,21 @@ class Replayed:
     tokens: int = 0  # output tokens replayed
 
 
-def _room(prompt_len: int, p: int, k: int, max_new_tokens: int, max_len: int) -> int:
-    """The engine's draft length at output position p (`Engine._draft_len`): never past max_new_tokens or the cache."""
-    return max(0, min(k, min(max_len - (prompt_len + p), max_new_tokens - p) - 1))
+@dataclass(frozen=True)
+class DraftRule:
+    """The engine's draft length for one request: k, never past its max_new_tokens or the cache's max_len."""
+
+    k: int
+    max_new_tokens: int
+    max_len: int
+
+    def room(self, prompt_len: int, p: int) -> int:
+        """The draft length at output position p (`Engine._draft_len`)."""
+        return max(0, min(self.k, min(self.max_len - (prompt_len + p), self.max_new_tokens - p) - 1))
 
 
 def walk(
-    propose: Callable[[int, int], tuple[list[int], float]],
-    prompt_len: int,
-    output_ids: list[int],
-    k: int,
-    max_new_tokens: int,
-    max_len: int,
+    propose: Callable[[int, int], tuple[list[int], float]], prompt_len: int, output_ids: list[int], rule: DraftRule
 ) -> Replayed:
     """The speculative run over `output_ids` (the first came from the prefill): at each committed length p,
     `propose(p, ke)` gives the step's draft of at most ke tokens (the engine's draft length there) and the seconds
@@ -75,7 +78,7 @@ def walk(
     n = len(output_ids)
     p = min(1, n)
     while p < n:
-        ke = _room(prompt_len, p, k, max_new_tokens, max_len)
+        ke = rule.room(prompt_len, p)
         draft, spent = propose(p, ke) if ke > 0 else ([], 0.0)
         draft = draft[:ke]
         a = 0
@@ -91,9 +94,7 @@ def replay(
     drafter: Drafter,
     prompt_ids: list[int],
     output_ids: list[int],
-    k: int,
-    max_new_tokens: int,
-    max_len: int,
+    rule: DraftRule,
     slot: int = 0,
     history: bool = True,
 ) -> Replayed:
@@ -108,7 +109,7 @@ def replay(
         return draft, time.perf_counter() - t0
 
     try:
-        return walk(propose, len(prompt_ids), output_ids, k, max_new_tokens, max_len)
+        return walk(propose, len(prompt_ids), output_ids, rule)
     finally:
         view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) :]  # the request's whole output, as
         drafter.release(slot)  # the engine's sequence holds it when it retires
@@ -147,13 +148,7 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
 
 
 def replay_guesses(
-    guesses: list[int],
-    prompt_len: int,
-    output_ids: list[int],
-    k: int,
-    max_new_tokens: int,
-    max_len: int,
-    seconds_per_draft_token: float = 0.0,
+    guesses: list[int], prompt_len: int, output_ids: list[int], rule: DraftRule, seconds_per_draft_token: float = 0.0
 ) -> Replayed:
     """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
     first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token."""
@@ -162,7 +157,7 @@ def replay_guesses(
         draft = guesses[p : p + ke]
         return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token
 
-    return walk(propose, prompt_len, output_ids, k, max_new_tokens, max_len)
+    return walk(propose, prompt_len, output_ids, rule)
 
 
 def draft_token_seconds(drafter: ModelDrafter, repeats: int = 5) -> float:

@@ -10,6 +10,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
@@ -141,14 +142,16 @@ def analyze(run: Run) -> Analysis:
         for load in plan.loads:
             for g in sorted(groups):
                 comp = _compare(
-                    s,
-                    load.name,
-                    g,
-                    by.get((baseline, load.name, g), []),
-                    by.get((s, load.name, g), []),
+                    CellRecords(
+                        s,
+                        load.name,
+                        g,
+                        by.get((baseline, load.name, g), []),
+                        by.get((s, load.name, g), []),
+                        ref,
+                        by.get((baseline, ref, g), []) if ref else [],
+                    ),
                     greedy,
-                    by.get((baseline, ref, g), []) if ref else [],
-                    ref,
                 )
                 if comp is None:
                     continue
@@ -277,16 +280,23 @@ def baseline_determinism(
     return out
 
 
-def _compare(
-    config: str,
-    load: str,
-    group: str,
-    base_recs: list[Record],
-    spec_recs: list[Record],
-    greedy: bool,
-    ref_recs: list[Record] | None = None,
-    ref: str | None = None,
-) -> Comparison | None:
+@dataclass(frozen=True)
+class CellRecords:
+    """One cell's records: the baseline's and a configuration's at a load in a group, and the baseline's at the
+    reference load (the fair audit's other side)."""
+
+    config: str
+    load: str
+    group: str
+    base: list[Record]
+    spec: list[Record]
+    ref: str | None = None
+    ref_recs: list[Record] = field(default_factory=list)
+
+
+def _compare(cell: CellRecords, greedy: bool) -> Comparison | None:
+    config, load, group, base_recs, spec_recs = cell.config, cell.load, cell.group, cell.base, cell.spec
+    ref, ref_recs = cell.ref, cell.ref_recs
     base = {(r.task_id, r.repeat): r for r in base_recs}
     spec = {(r.task_id, r.repeat): r for r in spec_recs}
     pairs = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from specwise.errors import SpecwiseError
 from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
@@ -95,16 +96,14 @@ class EngineBackend:
         from specwise.engine import SamplingParams
 
         engine = self.engines[config]
-        live: dict[
-            str, tuple[Request, float, list[tuple[float, int]]]
-        ] = {}  # request id → (request, submitted, chunk times)
+        live: dict[str, InFlight] = {}  # request id → the request, when it was submitted, its chunks
         refused: list[Record] = []
 
         def submit(req: Request) -> None:
             params = SamplingParams(max_new_tokens=req.max_tokens, temperature=self.temperature, seed=req.seed)
             now = time.perf_counter()
             try:
-                live[engine.submit(req.prompt, params)] = (req, now, [])
+                live[engine.submit(req.prompt, params)] = InFlight(req, now, [])
             except SpecwiseError as exc:
                 refused.append(
                     Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now, error=str(exc))
@@ -119,13 +118,13 @@ class EngineBackend:
                 time.sleep(timeout or 0.0)
                 return []
             for event in engine.step():
-                req, t_submit, chunks = live[event.request_id]
+                flight = live[event.request_id]
                 t = time.perf_counter()
                 if event.token_ids:
-                    chunks.append((t, len(event.text)))
+                    flight.chunks.append((t, len(event.text)))
                 if event.result is not None:
                     del live[event.request_id]
-                    done.append(_record(config, load, req, t_submit, t, chunks, event.result, engine.verify))
+                    done.append(_record(config, load, flight, t, event.result, engine.verify))
             return done
 
         return Phase(dispatch(load, requests, submit, poll, on_record, progress))
@@ -138,9 +137,17 @@ class EngineBackend:
         return [], False
 
 
-def _record(
-    config: str, load: Load, req: Request, submitted: float, finished: float, chunks: list, result, verify: str
-) -> Record:
+@dataclass
+class InFlight:
+    """A request the engine is running: when it was submitted, and its chunks as they arrive (time, characters)."""
+
+    req: Request
+    submitted: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+
+
+def _record(config: str, load: Load, flight: InFlight, finished: float, result, verify: str) -> Record:
+    req, submitted, chunks = flight.req, flight.submitted, flight.chunks
     s = result.stats
     times = [t for t, _ in chunks]
     return Record(

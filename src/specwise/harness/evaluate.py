@@ -22,7 +22,7 @@ from specwise.harness.analyze import load_run, store_verdicts
 from specwise.harness.backends import Backend
 from specwise.harness.config import Config
 from specwise.harness.engine_backend import EngineBackend
-from specwise.harness.http_backend import HTTPBackend
+from specwise.harness.http_backend import EndpointOptions, HTTPBackend
 from specwise.harness.load import Load, loads_from_flags
 from specwise.harness.report import console_summary, html_report
 from specwise.harness.runner import Plan, RunOptions, check_store, run
@@ -287,16 +287,14 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     )
     backend: Backend
     if args.endpoint:
-        backend = HTTPBackend(
-            args.endpoint,
-            args.model,
-            configs,
+        endpoint_options = EndpointOptions(
             api_key=args.api_key,
             temperature=args.temperature,
             launch_timeout=args.launch_timeout,
-            log_dir=out,
             request_timeout=args.request_timeout,
+            log_dir=out,
         )
+        backend = HTTPBackend(args.endpoint, args.model, configs, endpoint_options)
     else:
         backend = EngineBackend(
             engine_target, configs, max_batch=max_batch, temperature=args.temperature, verify=verify

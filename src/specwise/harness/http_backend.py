@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -54,21 +55,27 @@ MAX_LINE_BYTES = 1 << 20  # one line of a stream
 MAX_RESPONSE_BYTES = 64 << 20  # one request's whole stream
 
 
+@dataclass(frozen=True)
+class EndpointOptions:
+    """How the harness talks to an endpoint: its API key, the sampling temperature, the read timeout, how long a
+    launched server may take to become healthy, each request's own deadline (None: none), and where launched servers'
+    logs go."""
+
+    api_key: str | None = None
+    temperature: float = 0.0
+    timeout: float = 600.0
+    launch_timeout: float = 600.0
+    request_timeout: float | None = None
+    log_dir: Path | None = None
+
+
 class HTTPBackend:
     """Runs configurations against an OpenAI-compatible endpoint, launching a server per configuration if asked."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        model: str | None,
-        configs: list[Config],
-        api_key: str | None = None,
-        temperature: float = 0.0,
-        timeout: float = 600.0,
-        launch_timeout: float = 600.0,
-        log_dir: Path | None = None,
-        request_timeout: float | None = None,
-    ):
+    def __init__(self, endpoint: str, model: str | None, configs: list[Config], options: EndpointOptions | None = None):
+        o = options or EndpointOptions()
+        api_key, temperature, timeout, launch_timeout = o.api_key, o.temperature, o.timeout, o.launch_timeout
+        log_dir, request_timeout = o.log_dir, o.request_timeout
         if request_timeout is not None and not request_timeout > 0:
             raise SpecwiseError(f"--request-timeout {request_timeout} is not allowed: give seconds above 0")
         self.request_timeout, self.read_timeout = request_timeout, timeout

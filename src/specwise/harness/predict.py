@@ -208,15 +208,18 @@ def extra_pass_seconds(counts: SpecCounts, concurrency: float, costs: PassCosts)
     return sum(n * (costs.at(1 + j + others) - plain) for j, n in drafted_histogram(counts).items())
 
 
+@dataclass(frozen=True)
+class TimeModel:
+    """What a predicted step costs on this machine: the pass-cost curve, the step overhead, and whether drafting is
+    batched (a draft model, whose batch shares its passes; else each row drafts in turn)."""
+
+    costs: PassCosts
+    overhead: StepOverhead = StepOverhead()
+    batched: bool = False
+
+
 def predicted_record(
-    base: Record,
-    replay: Replay,
-    config: str,
-    concurrency: float,
-    costs: PassCosts,
-    overhead: StepOverhead,
-    interference: float = 0.0,
-    batched: bool = False,
+    base: Record, replay: Replay, config: str, concurrency: float, model: TimeModel, interference: float = 0.0
 ) -> Record:
     """The speculative record the cost model predicts for `base` (same output, predicted prefill and decode): each
     step costs the baseline's measured step less its share of other requests' prefill (`interference`: the seconds
@@ -224,6 +227,7 @@ def predicted_record(
     while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
     model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
     batch."""
+    costs, overhead, batched = model.costs, model.overhead, model.batched
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
     per_step = max((base.decode or 0.0) - interference, 0.0) / plain_steps
@@ -277,8 +281,8 @@ def predicted_run(
         b = base[rp.key]
         inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
         name = config_name(drafter, rp.k)
-        step = overhead or StepOverhead()
-        records.append(predicted_record(b, rp, name, value[b.load], costs, step, inside, batched))
+        model = TimeModel(costs, overhead or StepOverhead(), batched)
+        records.append(predicted_record(b, rp, name, value[b.load], model, inside))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,

@@ -45,23 +45,40 @@ class ClientSide:
     prompt: str | list[dict]
 
 
+@dataclass(frozen=True)
+class WatchOptions:
+    """What a serving process keeps of its traffic: the request log (None: none; with prompt texts or not; its size
+    bound), the drift window and test level, how many recent requests the gauges hold, what a detected drift does,
+    and how often the background is sampled into the log."""
+
+    log_path: str | None = None
+    log_text: bool = False
+    log_max_bytes: int | None = None
+    window_seconds: float = 3600.0
+    alpha: float = 0.01
+    max_recent: int = 20000
+    on_drift: str = "alert"
+    background_every: float = BACKGROUND_EVERY_S
+
+
 class DriftWatch:
     """Turns finished requests into log entries; writes them and/or keeps them for live drift gauges."""
 
     def __init__(
         self,
         engine,
-        log_path: str | None = None,
-        log_text: bool = False,
+        options: WatchOptions | None = None,
         baseline: Baseline | None = None,
-        window_seconds: float = 3600.0,
-        alpha: float = 0.01,
-        max_recent: int = 20000,
-        on_drift: str = "alert",
         revert: Callable[[str], None] | None = None,
-        log_max_bytes: int | None = None,
-        background_every: float = BACKGROUND_EVERY_S,
     ):
+        o = options or WatchOptions()
+        log_path, log_text, on_drift, max_recent = o.log_path, o.log_text, o.on_drift, o.max_recent
+        window_seconds, alpha, log_max_bytes, background_every = (
+            o.window_seconds,
+            o.alpha,
+            o.log_max_bytes,
+            o.background_every,
+        )
         if on_drift not in ON_DRIFT:
             raise SpecwiseError(f"--on-drift {on_drift!r} is not allowed: choose {' or '.join(ON_DRIFT)}")
         self.engine, self.log_text, self.baseline = engine, log_text, baseline

@@ -14,7 +14,7 @@ import sys
 from specwise.errors import SpecwiseError
 from specwise.harness.analyze import policy_from_run
 from specwise.monitor.drift import load_baseline, parse_window
-from specwise.monitor.live import DriftWatch
+from specwise.monitor.live import DriftWatch, WatchOptions
 from specwise.monitor.requestlog import RequestLog
 from specwise.policy import Policy, PolicyFile
 from specwise.server.middleware import LOOPBACK_HOSTS
@@ -142,15 +142,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
     scheduler = state.scheduler
     watch = None
     if args.log or baseline is not None:
-        watch = DriftWatch(
-            engine,
-            args.log,
-            args.log_text,
-            baseline,
-            window or float("inf"),
-            on_drift=args.on_drift,
-            revert=lambda reason: scheduler.set_policy(Policy("never"), "drift", reason),
+        watch_options = WatchOptions(
+            log_path=args.log,
+            log_text=args.log_text,
             log_max_bytes=int(args.log_max_mb * 2**20),
+            window_seconds=window or float("inf"),
+            on_drift=args.on_drift,
+        )
+        watch = DriftWatch(
+            engine, watch_options, baseline, revert=lambda reason: scheduler.set_policy(Policy("never"), "drift", reason)
         )
         state.on_finish.append(watch.on_finish)
         state.metrics.add_gauges(watch.gauges)

@@ -104,7 +104,7 @@ def _submit(
     except SpecwiseError as exc:  # the engine names the input at fault; here it becomes the request's field
         _take_back(state, submitted)
         param = exc.param
-        if param in ("drafter", "k", "k_max", "verify"):
+        if param in ("drafter", "k", "verify"):
             param = "speculative"
         elif param == "prompt" and isinstance(prompts[0], list):
             param = "messages"
