@@ -1,11 +1,19 @@
-"""`specwise evaluate`: its flags; the run itself is harness/evaluate.py."""
+"""`specwise evaluate`: its flags, checked before anything loads, and the plan and system under test they describe;
+measuring, judging and reporting are harness/evaluate.py's.
+
+With no arguments it runs the built-in release-note workload (a stratified subset of 12 tasks) on the embedded
+model, baseline against n-gram drafting with adaptive k, at concurrency 1 and 4, and prints the verdict. `--quick`
+is a one-minute subset."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
-from specwise.cli.common import k_list_arg, precision_flags
+from specwise.cli.common import k_list_arg, precision_flags, target_options
+from specwise.errors import SpecwiseError
 from specwise.models import MODEL_HELP
 from specwise.specs import BUSY_SHARE, QUIET_MACHINE_MODES, QUIET_WAIT_S, VERIFY_HELP, VERIFY_METHODS
 
@@ -115,6 +123,88 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specwise.harness.evaluate import evaluate_from_args
+    """Check every flag before the model loads or anything is measured, build the plan and the system under test,
+    then measure, judge and report (harness/evaluate.py)."""
+    from specwise.harness.backends import Backend
+    from specwise.harness.engine_backend import EngineBackend
+    from specwise.harness.evaluate import (
+        check_output_dir,
+        configs_from,
+        engine_batch,
+        evaluate,
+        stratified,
+        workload_from,
+    )
+    from specwise.harness.http_backend import EndpointOptions, HTTPBackend
+    from specwise.harness.load import loads_from_flags
+    from specwise.harness.runner import Plan, RunOptions, check_store
+    from specwise.harness.store import Store
 
-    return evaluate_from_args(args)
+    if args.launch and not args.endpoint:
+        raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
+    if args.retry_errors and not args.resume:
+        raise SpecwiseError("--retry-errors needs --resume: it re-runs the failed requests of the run in --out")
+    if args.remeasure_contended and not args.resume:
+        raise SpecwiseError("--remeasure-contended needs --resume: it re-runs the busy phases of the run in --out")
+    options = RunOptions(
+        resume=args.resume,
+        show_progress=not args.no_progress,
+        retry_errors=args.retry_errors,
+        quiet=args.quiet_machine,
+        busy_share=args.busy_share,
+        remeasure_contended=args.remeasure_contended,
+    )
+    other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
+    if args.endpoint and other_precision:
+        raise SpecwiseError(
+            "--dtype, --quantize and --activations set the in-process engine's precision; with --endpoint the server "
+            "decides it (put them in the command you --launch)"
+        )
+    n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
+    if n_tasks < 0:
+        raise SpecwiseError(f"--tasks {n_tasks} is not allowed: give 0 (all) or a positive number")
+    workload = stratified(workload_from(args.workload), n_tasks)
+    loads = loads_from_flags(args.concurrency or ("1,2" if args.quick else ("" if args.rate else "1,4")), args.rate)
+    configs = configs_from(args.config, args.drafter, args.k, args.launch, bool(args.endpoint))
+    cap = args.max_tokens or (48 if args.quick else None)
+    if cap is not None and cap < 1:
+        raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
+    if args.temperature < 0:
+        raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
+    if args.endpoint and args.verify:
+        raise SpecwiseError(
+            "--verify chooses how in-process engines verify sampled drafts; a server under --endpoint verifies as it "
+            "was started (specwise: `serve --verify`, in the --launch command), and the audit reads what it reports"
+        )
+    verify = args.verify or VERIFY_METHODS[0]
+    engine_target = target_options(args)
+    target = args.model
+    if not args.endpoint and other_precision:  # another precision is another target
+        target = " ".join(filter(None, [args.model, engine_target.precision_flags()]))
+    if args.endpoint:
+        target = f"{args.endpoint} {args.model or ''}".strip()
+    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, target, cap, verify)
+    out = Path(args.out)
+    check_output_dir(out)
+    store = Store(out / "run.db")
+    check_store(plan, store, args.resume)  # before the model loads
+    print(
+        f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
+        f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}",
+        file=sys.stderr,
+    )
+    backend: Backend
+    if args.endpoint:
+        endpoint_options = EndpointOptions(
+            api_key=args.api_key,
+            temperature=args.temperature,
+            launch_timeout=args.launch_timeout,
+            request_timeout=args.request_timeout,
+            log_dir=out,
+        )
+        backend = HTTPBackend(args.endpoint, args.model, configs, endpoint_options)
+    else:
+        backend = EngineBackend(
+            engine_target, configs, max_batch=engine_batch(loads), temperature=args.temperature, verify=verify
+        )
+    return evaluate(plan, store, backend, out, options)

@@ -1,13 +1,9 @@
-"""`specwise evaluate`: settings from flags or a config file, checked before anything is measured, then run, report.
-
-With no arguments it runs the built-in release-note workload (a stratified subset of 12 tasks) on the embedded
-model, baseline against n-gram drafting with adaptive k, at concurrency 1 and 4 — about five minutes on two CPU
-cores — and prints the verdict. `--quick` is a one-minute subset.
-"""
+"""An evaluation's parts below the command line: the workload (`workload_from`, `stratified`), the configurations
+(`configs_from`, `launch_configs`), the in-process engine's batch, and `evaluate`: measure, judge, report.
+`specwise evaluate` (cli/evaluate.py) checks its flags and builds these before anything loads."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import re
 import signal
@@ -21,18 +17,12 @@ from specwise.harness import commands
 from specwise.harness.analyze import load_run, store_verdicts
 from specwise.harness.backends import Backend
 from specwise.harness.config import Config
-from specwise.harness.engine_backend import EngineBackend
-from specwise.harness.http_backend import EndpointOptions, HTTPBackend
-from specwise.harness.load import Load, loads_from_flags
+from specwise.harness.load import Load
 from specwise.harness.report import console_summary, html_report
-from specwise.harness.runner import Plan, RunOptions, check_store, run
+from specwise.harness.runner import Plan, RunOptions, run
 from specwise.harness.store import Store
 from specwise.harness.workload import BUILTIN, Task, Workload, builtin_workload, load_workload
 from specwise.specs import (
-    BUSY_SHARE,
-    QUIET_MACHINE_MODES,
-    VERIFY_METHODS,
-    TargetOptions,
     check_drafter_spec,
     check_verify,
     parse_k,
@@ -67,9 +57,19 @@ def stratified(workload: Workload, n: int) -> Workload:
     return Workload(workload.name, picked, workload.description, workload.source)
 
 
-def configs_from(args: argparse.Namespace) -> list[Config]:
-    if args.config:
-        path = Path(args.config)
+def configs_from(
+    config_file: str | None,
+    drafters: list[str] | None = None,
+    ks: list[int | str] | None = None,
+    launches: list[str] | None = None,
+    endpoint: bool = False,
+) -> list[Config]:
+    """The configurations to measure, the baseline first: from a config file, or one per --launch command (a `{k}`
+    command swept over `ks`), or the baseline and one per drafter × k (default: n-gram, k auto). Against an
+    endpoint each asks specwise's server for its speculation in the request."""
+    ks = ks or ["auto"]
+    if config_file:
+        path = Path(config_file)
         if not path.is_file():
             raise SpecwiseError(f"config file {str(path)!r} does not exist")
         try:
@@ -99,22 +99,21 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
             else:
                 drafter = _check_drafter(c.get("drafter"), where)
             verify = _where(where, check_verify, c["verify"]) if c.get("verify") is not None else None
-            if verify and getattr(args, "endpoint", None):
+            if verify and endpoint:
                 raise SpecwiseError(
                     f"{where}: 'verify' sets an in-process engine's method; against a server give it in the request "
                     "(specwise: request: {speculative: {verify: ...}}) or in its launch command (serve --verify)"
                 )
             out.append(Config(c["name"], drafter, k, c.get("request"), c.get("launch"), verify))
         return out
-    if getattr(args, "launch", None):
-        if len(args.launch) < 2:
+    if launches:
+        if len(launches) < 2:
             raise SpecwiseError("--launch: give one command per configuration, the baseline's first (at least two)")
-        return launch_configs(args.launch, _ks(getattr(args, "k", ["auto"])))
-    drafters = args.drafter or ["ngram"]
+        return launch_configs(launches, ks)
     configs = [Config("baseline")] + [
-        Config(f"{_check_drafter(d, '--drafter')} k={k}", d, k) for d in drafters for k in _ks(args.k)
+        Config(f"{_check_drafter(d, '--drafter')} k={k}", d, k) for d in drafters or ["ngram"] for k in ks
     ]
-    if getattr(args, "endpoint", None):  # specwise serve chooses per request; other servers need --launch
+    if endpoint:  # specwise serve chooses per request; other servers need --launch
         configs = [
             Config(
                 c.name,
@@ -172,10 +171,6 @@ def launch_configs(launches: list[str], ks: list[int | str] | None = None) -> li
     return configs
 
 
-def _ks(value) -> list:
-    return value if isinstance(value, list) else [value]
-
-
 def engine_batch(loads: list[Load]) -> int:
     """The in-process engine's batch for these loads: the highest concurrency, at least 4 (room for open loops)."""
     return max([int(ld.value) for ld in loads if ld.kind == "concurrent"] + [4])
@@ -219,86 +214,9 @@ def check_output_dir(out: Path) -> None:
         raise SpecwiseError(f"output directory {str(out)!r} is not writable ({exc.strerror or exc})") from None
 
 
-def evaluate_from_args(args: argparse.Namespace) -> int:
-
-    # Everything is checked before the model loads or anything is measured.
-    if args.launch and not args.endpoint:
-        raise SpecwiseError("--launch needs --endpoint: the URL where the launched server will listen")
-    if getattr(args, "retry_errors", False) and not args.resume:
-        raise SpecwiseError("--retry-errors needs --resume: it re-runs the failed requests of the run in --out")
-    if getattr(args, "remeasure_contended", False) and not args.resume:
-        raise SpecwiseError("--remeasure-contended needs --resume: it re-runs the busy phases of the run in --out")
-    options = RunOptions(
-        resume=args.resume,
-        show_progress=not args.no_progress,
-        retry_errors=getattr(args, "retry_errors", False),
-        quiet=getattr(args, "quiet_machine", QUIET_MACHINE_MODES[0]),
-        busy_share=getattr(args, "busy_share", BUSY_SHARE),
-        remeasure_contended=getattr(args, "remeasure_contended", False),
-    )
-    other_precision = args.dtype != "auto" or args.quantize or args.activations != "auto"
-    if args.endpoint and other_precision:
-        raise SpecwiseError(
-            "--dtype, --quantize and --activations set the in-process engine's precision; with --endpoint the server "
-            "decides it (put them in the command you --launch)"
-        )
-    workload = workload_from(args.workload)
-    n_tasks = args.tasks if args.tasks is not None else (4 if args.quick else 12)
-    if n_tasks < 0:
-        raise SpecwiseError(f"--tasks {n_tasks} is not allowed: give 0 (all) or a positive number")
-    workload = stratified(workload, n_tasks)
-    loads = loads_from_flags(args.concurrency or ("1,2" if args.quick else ("" if args.rate else "1,4")), args.rate)
-    configs = configs_from(args)
-    cap = args.max_tokens or (48 if args.quick else None)
-    if cap is not None and cap < 1:
-        raise SpecwiseError(f"--max-tokens {cap} is not allowed: it must be ≥ 1")
-    if args.temperature < 0:
-        raise SpecwiseError(f"--temperature {args.temperature} is not allowed: it must be ≥ 0")
-    if args.endpoint and args.verify:
-        raise SpecwiseError(
-            "--verify chooses how in-process engines verify sampled drafts; a server under --endpoint verifies as it "
-            "was started (specwise: `serve --verify`, in the --launch command), and the audit reads what it reports"
-        )
-    verify = args.verify or VERIFY_METHODS[0]
-    engine_target = TargetOptions(args.model, args.device, args.dtype, args.quantize, args.activations)
-    target = args.model
-    if not args.endpoint and other_precision:  # another precision is another target
-        target = " ".join(filter(None, [args.model, engine_target.precision_flags()]))
-    plan = Plan(
-        workload,
-        configs,
-        loads,
-        args.repeats,
-        args.seed,
-        args.temperature,
-        target if not args.endpoint else f"{args.endpoint} {args.model or ''}".strip(),
-        cap,
-        verify,
-    )
-    out = Path(args.out)
-    check_output_dir(out)
-    store = Store(out / "run.db")
-    check_store(plan, store, args.resume)  # before the model loads
-    max_batch = engine_batch(loads)
-    print(
-        f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
-        f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}",
-        file=sys.stderr,
-    )
-    backend: Backend
-    if args.endpoint:
-        endpoint_options = EndpointOptions(
-            api_key=args.api_key,
-            temperature=args.temperature,
-            launch_timeout=args.launch_timeout,
-            request_timeout=args.request_timeout,
-            log_dir=out,
-        )
-        backend = HTTPBackend(args.endpoint, args.model, configs, endpoint_options)
-    else:
-        backend = EngineBackend(
-            engine_target, configs, max_batch=max_batch, temperature=args.temperature, verify=verify
-        )
+def evaluate(plan: Plan, store: Store, backend: Backend, out: Path, options: RunOptions) -> int:
+    """Measure the plan into `store` (closed, and the backend's servers stopped, on every exit path), then judge the
+    run and write its report into `out`: 0, or 130 when interrupted (every finished request kept)."""
 
     # SIGTERM and SIGHUP end the run as Ctrl-C does: records are saved, launched servers stopped (every exit path;
     # a kill -9 is covered by each launched server's reaper, http_backend._reaper).

@@ -1,49 +1,20 @@
-"""`specwise policy show|set`: the admin API of a running `specwise serve`, from the command line (no torch)."""
+"""The admin API of a running `specwise serve` from a client: read or set its policy (no torch). `specwise policy`
+(cli/policy.py) builds the body from its flags."""
 
 from __future__ import annotations
-
-import argparse
-import time
 
 import httpx
 
 from specwise.errors import SpecwiseError
-from specwise.policy import PolicyFile
-from specwise.specs import parse_threshold
 
 
-def policy_body(args: argparse.Namespace) -> dict:
-    """The PUT body `set` sends, from the flags; every mistake named before anything is sent."""
-    if args.from_file:  # checked here by the reader the server uses, so a bad file is refused before sending
-        body = PolicyFile.read(args.from_file).to_json()
-    elif args.mode is None:
-        raise SpecwiseError("policy set: give a mode (always, never, auto, table) or --from FILE")
-    else:
-        body = {"mode": args.mode}
-        if args.threshold:
-            if args.mode != "auto":
-                raise SpecwiseError("--threshold is auto's: HIGH[:LOW]")
-            high, low = parse_threshold(args.threshold, "--threshold")
-            body.update(high=high, **({"low": low} if low is not None else {}))
-        if args.table:
-            if args.mode != "table":
-                raise SpecwiseError("--table is for mode table")
-            try:
-                body["table"] = [[int(a), int(b)] for a, b in (row.split(":") for row in args.table.split(","))]
-            except ValueError:
-                raise SpecwiseError(f"--table {args.table!r} is not allowed: write LOAD:K,… e.g. 1:4,4:2,8:0") from None
-    if args.reason:
-        body["reason"] = args.reason
-    return body
-
-
-def policy_request(args: argparse.Namespace) -> str:
-    """Show or set the policy; the server's answer, for people."""
-    if not args.admin_key:
+def admin_policy(endpoint: str, admin_key: str, body: dict | None = None) -> dict:
+    """GET the server's policy and its recorded changes, or PUT `body` (a policy, as PolicyFile or the admin API
+    writes it) and get the same back; every refusal becomes a SpecwiseError naming the field at fault."""
+    if not admin_key:
         raise SpecwiseError("give the server's admin key: --admin-key KEY or $SPECWISE_ADMIN_KEY")
-    url = args.endpoint.rstrip("/").removesuffix("/v1") + "/admin/policy"
-    headers = {"Authorization": f"Bearer {args.admin_key}"}
-    body = policy_body(args) if args.action == "set" else None
+    url = endpoint.rstrip("/").removesuffix("/v1") + "/admin/policy"
+    headers = {"Authorization": f"Bearer {admin_key}"}
     try:
         r = (
             httpx.put(url, json=body, headers=headers, timeout=30)
@@ -60,8 +31,4 @@ def policy_request(args: argparse.Namespace) -> str:
         err = data.get("error", {}) if isinstance(data, dict) else {}
         param = f" [{err.get('param')}]" if err.get("param") else ""
         raise SpecwiseError(f"the server refused ({r.status_code}){param}: {err.get('message', data)}")
-    lines = [f"policy: {data['policy']}" + (" (applies from the next step)" if body else "")]
-    for c in data.get("changes", []):
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
-        lines.append(f"  {when} by {c['by']}: {c['old']} → {c['new']}" + (f" ({c['reason']})" if c["reason"] else ""))
-    return "\n".join(lines)
+    return data
