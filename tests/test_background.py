@@ -78,7 +78,8 @@ class Sleepy:
     def close(self):
         pass
 
-    def run(self, config, load, requests, on_record, progress=None):
+    def run(self, work):
+        config, load, requests, on_record = work.config, work.load, work.requests, work.on_record
         self.phases += 1
         time.sleep(self.seconds)
         now = time.time()

@@ -16,3 +16,14 @@ def sqlite_readonly_uri(path: str | Path) -> str:
     """An SQLite URI that opens `path` read-only: the path percent-escaped, so a name holding '#', '?' or '%' means
     that file (unescaped, `req#1.db` would open a new file named `req`)."""
     return "file:" + quote(str(Path(path).absolute()), safe="/") + "?mode=ro"
+
+
+def owner_only(path: Path) -> None:
+    """Create `path` (and its folders) readable by its owner only, or make an existing file so: for files that hold
+    prompts and outputs. SQLite gives a database's WAL the same mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

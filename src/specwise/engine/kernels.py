@@ -118,22 +118,13 @@ def check_pass(rc: int, what: str) -> None:
         raise SpecwiseError(f"{what} refused: {REFUSALS.get(rc, f'code {rc}')}")
 
 
+_I32 = ctypes.c_int32
+
+
 class SwLinear(ctypes.Structure):
     _fields_ = [
-        ("fmt", ctypes.c_int32),
-        ("n", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("nblocks", ctypes.c_int32),
-        ("scales", ctypes.c_int32),
-        ("act", ctypes.c_int32),
-        ("w", _P),
-        ("d", _P),
-        ("m", _P),
-        ("bias", _P),
-        ("h", _P),
-        ("ds", _P),
-        ("ms", _P),
-        ("next", _P),
+        *((name, _I32) for name in ("fmt", "n", "k", "nblocks", "scales", "act")),
+        *((name, _P) for name in ("w", "d", "m", "bias", "h", "ds", "ms", "next")),
     ]
 
 
@@ -150,14 +141,7 @@ class SwLayer(ctypes.Structure):
 
 class SwModel(ctypes.Structure):
     _fields_ = [
-        ("n_layers", ctypes.c_int32),
-        ("hidden", ctypes.c_int32),
-        ("inter", ctypes.c_int32),
-        ("n_heads", ctypes.c_int32),
-        ("n_kv", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("vocab", ctypes.c_int32),
-        ("max_pos", ctypes.c_int32),
+        *((name, _I32) for name in ("n_layers", "hidden", "inter", "n_heads", "n_kv", "head_dim", "vocab", "max_pos")),
         ("eps", ctypes.c_float),
         ("layers", ctypes.POINTER(SwLayer)),
         ("embed", ctypes.POINTER(SwLinear)),
@@ -183,20 +167,15 @@ class SwPass(ctypes.Structure):
     """One pass's rows and buffers (csrc/kernels.h sw_pass)."""
 
     _fields_ = [
-        ("M", ctypes.c_int32),
-        ("tokens", _P),
-        ("pos", _P),
-        ("slot", _P),
-        ("n_out", ctypes.c_int32),
-        ("out_rows", _P),
-        ("logits", _P),
-        ("n_feat", ctypes.c_int32),
+        ("M", _I32),
+        *((name, _P) for name in ("tokens", "pos", "slot")),
+        ("n_out", _I32),
+        *((name, _P) for name in ("out_rows", "logits")),
+        ("n_feat", _I32),
         ("feat_layers", _P),
-        ("n_frows", ctypes.c_int32),
-        ("feat_rows", _P),
-        ("features", _P),
-        ("scratch", _P),
-        ("nthreads", ctypes.c_int32),
+        ("n_frows", _I32),
+        *((name, _P) for name in ("feat_rows", "features", "scratch")),
+        ("nthreads", _I32),
     ]
 
 

@@ -41,6 +41,18 @@ class Phase:
     counters: CounterDelta | None = None
 
 
+@dataclass(frozen=True)
+class PhaseWork:
+    """One phase for a backend to run: a configuration's requests under one load. Each finished request goes to
+    `on_record` on the calling thread; `progress` ticks once per finished request."""
+
+    config: str
+    load: Load
+    requests: list[Request]
+    on_record: Callable[[Record], None]
+    progress: Callable[[], None] | None = None
+
+
 class Backend(Protocol):
     """What the runner may ask of a system under test."""
 
@@ -54,15 +66,8 @@ class Backend(Protocol):
         """Pay one-time costs before anything is measured."""
         ...
 
-    def run(
-        self,
-        config: str,
-        load: Load,
-        requests: list[Request],
-        on_record: Callable[[Record], None],
-        progress: Callable[[], None] | None = None,
-    ) -> Phase:
-        """Run one phase, handing each finished request to `on_record` on the calling thread."""
+    def run(self, work: PhaseWork) -> Phase:
+        """Run one phase, handing each finished request to `work.on_record` on the calling thread."""
         ...
 
     def close(self) -> None:
@@ -80,14 +85,7 @@ class Backend(Protocol):
         ...
 
 
-def dispatch(
-    load: Load,
-    requests: list[Request],
-    submit: Callable[[Request], None],
-    poll: Callable[[float | None], list[Record]],
-    on_record: Callable[[Record], None],
-    progress: Callable[[], None] | None = None,
-) -> float:
+def dispatch(work: PhaseWork, submit: Callable[[Request], None], poll: Callable[[float | None], list[Record]]) -> float:
     """The load loop every backend shares; returns the phase's wall time in seconds.
 
     Closed loop (`concurrent@N`): keep N requests in flight. Open loop (`poisson@R`): submit each request at its
@@ -95,6 +93,7 @@ def dispatch(
     run of the plan. `submit` starts a request without waiting for it; `poll(timeout)` advances or waits for the
     backend (up to `timeout` seconds, None = until something finishes) and returns the records that finished.
     """
+    load, requests = work.load, work.requests
     pending = list(requests)
     arrivals = load.arrivals(len(pending), seed=zlib.crc32(load.name.encode())) if load.kind == "poisson" else None
     start = time.perf_counter()
@@ -112,7 +111,7 @@ def dispatch(
             timeout = max(0.0, arrivals[submitted] - (time.perf_counter() - start)) if pending else None
         for rec in poll(timeout):
             finished += 1
-            on_record(rec)
-            if progress:
-                progress()
+            work.on_record(rec)
+            if work.progress:
+                work.progress()
     return time.perf_counter() - start

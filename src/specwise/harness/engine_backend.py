@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
+from specwise.harness.backends import WARM_UP, Phase, PhaseWork, Request, dispatch
 from specwise.harness.config import Config
 from specwise.harness.facts import hardware
 from specwise.harness.load import Load
@@ -84,17 +83,11 @@ class EngineBackend:
         for e in self.engines.values():
             e.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
 
-    def run(
-        self,
-        config: str,
-        load: Load,
-        requests: list[Request],
-        on_record: Callable[[Record], None],
-        progress: Callable[[], None] | None = None,
-    ) -> Phase:
+    def run(self, work: PhaseWork) -> Phase:
         """Run one phase on this configuration's engine, stepping it on this thread."""
         from specwise.engine import SamplingParams
 
+        config, load = work.config, work.load
         engine = self.engines[config]
         live: dict[str, InFlight] = {}  # request id → the request, when it was submitted, its chunks
         refused: list[Record] = []
@@ -127,7 +120,7 @@ class EngineBackend:
                     done.append(_record(config, load, flight, t, event.result, engine.verify))
             return done
 
-        return Phase(dispatch(load, requests, submit, poll, on_record, progress))
+        return Phase(dispatch(work, submit, poll))
 
     def close(self) -> None:
         """Nothing to release: the engines go with the backend."""

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import httpx
 
 from specwise.errors import SpecwiseError
 from specwise.harness import commands
-from specwise.harness.backends import WARM_UP, Phase, Request, dispatch
+from specwise.harness.backends import WARM_UP, Phase, PhaseWork, Request, dispatch
 from specwise.harness.background import listening_pid
 from specwise.harness.config import Config, redact
 from specwise.harness.facts import check_comparable, hardware
@@ -306,15 +305,9 @@ class HTTPBackend:
         req = Request("warm-up", [], 0, 0, *WARM_UP)
         self._one(name, req, time.perf_counter())
 
-    def run(
-        self,
-        config: str,
-        load: Load,
-        requests: list[Request],
-        on_record: Callable[[Record], None],
-        progress: Callable[[], None] | None = None,
-    ) -> Phase:
+    def run(self, work: PhaseWork) -> Phase:
         """Run one phase, each request streamed on a thread of its own; records reach `on_record` on this thread."""
+        config, load = work.config, work.load
         self._ensure(config)
         before = self._counters()
         done: queue.Queue[Record] = queue.Queue()
@@ -334,7 +327,7 @@ class HTTPBackend:
                 out.append(done.get_nowait())
             return out
 
-        seconds = dispatch(load, requests, submit, poll, on_record, progress)
+        seconds = dispatch(work, submit, poll)
         for t in threads:
             t.join()
         return Phase(seconds, counter_delta(before, self._counters()))

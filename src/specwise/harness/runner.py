@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specwise import __version__
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Backend, Request
+from specwise.harness.backends import Backend, PhaseWork, Request
 from specwise.harness.background import PhaseBackground, QuietMachine, Sampler
 from specwise.harness.config import Config
 from specwise.harness.facts import check_comparable
@@ -206,7 +206,8 @@ def run(plan: Plan, store: Store, backend: Backend, options: RunOptions | None =
                         bar.set_description(f"{c.name} {load.name}")
                     guard.before_phase(f"{c.name} at {load.name}")
                     before = sampler.snapshot()
-                    phase = backend.run(c.name, load, reqs, on_record, bar.update if bar is not None else None)
+                    work = PhaseWork(c.name, load, reqs, on_record, bar.update if bar is not None else None)
+                    phase = backend.run(work)
                     bg = sampler.between(before, sampler.snapshot())
                     backgrounds.append(
                         PhaseBackground(c.name, load.name, rep, [r.task_id for r in reqs], phase.seconds, bg)

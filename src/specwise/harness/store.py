@@ -8,13 +8,12 @@ resumed run skips exactly what is already there.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.paths import sqlite_readonly_uri
+from specwise.paths import owner_only, sqlite_readonly_uri
 from specwise.speccounts import SpecCounts
 
 SCHEMA_VERSION = 1
@@ -78,13 +77,7 @@ class Store:
             raise SpecwiseError(f"results file {str(self.path)!r} does not exist")
         try:
             if create:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                # Owner-only (a run holds prompts, outputs and the servers' answers); SQLite's WAL takes this mode.
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    os.fchmod(fd, 0o600)
-                finally:
-                    os.close(fd)
+                owner_only(self.path)  # a run holds prompts, outputs and the servers' answers
                 self.db = sqlite3.connect(str(self.path))
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.executescript(SCHEMA)

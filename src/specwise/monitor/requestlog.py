@@ -10,14 +10,13 @@ server writes. No torch here.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specwise.errors import SpecwiseError
-from specwise.paths import sqlite_readonly_uri
+from specwise.paths import owner_only, sqlite_readonly_uri
 from specwise.speccounts import SpecCounts
 
 LOG_SCHEMA_VERSION = 1
@@ -85,14 +84,7 @@ class RequestLog:
         self._lock = threading.Lock()
         try:
             if mode == "a":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                # Owner-only from its first byte (it may hold prompts and outputs), and an older file made so on
-                # open; SQLite gives its WAL the same mode.
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    os.fchmod(fd, 0o600)
-                finally:
-                    os.close(fd)
+                owner_only(self.path)  # from its first byte (it may hold prompts and outputs); an older file too
             self.db = sqlite3.connect(
                 str(self.path) if mode == "a" else sqlite_readonly_uri(self.path),
                 uri=mode != "a",
