@@ -33,7 +33,9 @@ BOUNDARY = [0, 1, 2, 3, 31, 32, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**63, 
 
 def spans(path: str) -> dict[str, list[tuple[int, int]]]:
     """File offsets and sizes of the structures a mutation may hit, from a clean parse."""
-    reader = gguf.open_gguf(path)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)  # gguf-py's reader: where each field lies in the file
     base = reader.data.ctypes.data
 
     def where(part) -> tuple[int, int]:

@@ -532,7 +532,7 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
     for name, kind in types.items():
         if kind == "F16":  # bf16 on the kernels
             raw[name] = raw[name].bfloat16().float()
-    cfg = ModelConfig.from_hf(gguf.hf_config(reader, path))
+    cfg = ModelConfig.from_hf(gguf.hf_config(gguf.open_gguf(path), path))
     weights = from_gguf(path, cfg)
     layer = weights.layers[0]
 

@@ -37,23 +37,14 @@ NATIVE_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def open_gguf(path: Path):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many kinds of errors on a damaged file
-        raise SpecwiseError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+def open_gguf(path: Path) -> Index:
+    """A GGUF file's header: its scalar metadata, the lengths of its metadata arrays and its tensor directory (read
+    with bounded reads; gguf-py's reader would hold the tokenizer's arrays as half a gigabyte of objects)."""
+    return Index(Path(path))
 
 
-def field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception as exc:  # a damaged value: gguf-py raises whatever its parser hits
-        raise SpecwiseError(f"GGUF metadata {key!r} is unreadable ({type(exc).__name__}: {exc})") from exc
+def field(reader: Index, key: str, default=None):
+    return reader.get(key, default)
 
 
 def _count(reader, path: Path, key: str, default: object = None) -> int:
@@ -87,12 +78,12 @@ def hf_config(reader, path: Path) -> dict:
     n_head = _count(reader, path, f"{arch}.attention.head_count")
     n_kv = _count(reader, path, f"{arch}.attention.head_count_kv", n_head)
     hidden = _count(reader, path, f"{arch}.embedding_length")
-    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    tokens = reader.arrays.get("tokenizer.ggml.tokens", 0)  # its length (the values are the tokenizer's)
     names = {t.name for t in reader.tensors}
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise SpecwiseError(f"{path}: the file lacks tensor 'token_embd.weight' (the token embeddings)")
-    vocab = field(reader, f"{arch}.vocab_size") or len(tokens) or int(embed.shape[-1])
+    vocab = field(reader, f"{arch}.vocab_size") or tokens or int(embed.shape[-1])
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -264,6 +255,7 @@ class Index:
         self.path = Path(path)
         size = self.path.stat().st_size
         self.scalars: dict[str, Any] = {}
+        self.arrays: dict[str, int] = {}  # a metadata array's length (its values are not read)
         self.tensors: list[TensorInfo] = []
         with open(self.path, "rb") as f:
             r = _Header(f, size, self.path)
@@ -278,7 +270,9 @@ class Index:
             for _ in range(n_kv):
                 key = r.string()
                 value = r.value(r.u32())
-                if value is not _SKIPPED:
+                if isinstance(value, _Skipped):
+                    self.arrays[key] = value.count
+                else:
                     self.scalars[key] = value
             infos = []
             for _ in range(n_tensors):
@@ -312,7 +306,12 @@ class Index:
         return self.scalars.get(key, default)
 
 
-_SKIPPED = object()
+@dataclass(frozen=True)
+class _Skipped:
+    """A metadata array whose values were skipped: its length."""
+
+    count: int
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
@@ -364,7 +363,7 @@ class _Header:
                     self.skip(self.u64())
             else:
                 raise SpecwiseError(f"{self.path}: a GGUF array of type {item} is not allowed")
-            return _SKIPPED
+            return _Skipped(count)
         raise SpecwiseError(f"{self.path}: GGUF metadata value type {vtype} is unknown")
 
 

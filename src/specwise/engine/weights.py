@@ -375,11 +375,12 @@ def convert_gguf(path: Path, digest: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     tmp.chmod(0o755)
     try:
-        reader = gguf.open_gguf(path)
-        config = gguf.hf_config(reader, path)
+        header = gguf.open_gguf(path)
+        config = gguf.hf_config(header, path)
         ModelConfig.from_hf(config)  # refuse a config the decoder cannot take before the slow tokenizer step
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
+        types = sorted({t.tensor_type.name for t in header.tensors if len(t.shape) > 1})
+        del header
         try:
             gguf.write_tokenizer(path, tmp)
         except Exception as exc:  # transformers' GGUF tokenizer reader raises whatever the metadata trips
