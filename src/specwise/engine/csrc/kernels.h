@@ -1,7 +1,9 @@
 /* specwise CPU kernels: the contract every variant keeps, the block layouts, and what a variant provides.
  *
- * A kernel library is decoder.c (everything but the matrix products: thread pool, norms, RoPE, attention, the
- * decoder loop) plus one gemm_<variant>.c, compiled with that variant's flags:
+ * A kernel library is the shared parts — pool.c (the thread pool), linear.c (the linear-layer driver: activation
+ * quantisation, rows in tiles, dequantised tiles), attention.c (RoPE, the KV cache, attention), decoder.c (the forward
+ * pass and a draft head's step), all on simd.h's vector primitives — plus one gemm_<variant>.c with the matrix
+ * products' inner loops, compiled with that variant's flags:
  *
  *   generic  portable C, no intrinsics: correct on any CPU the compiler targets
  *   avx2     x86-64-v3 (AVX2, FMA, F16C)
@@ -44,7 +46,7 @@
  *     (Q4, Q5), q·dw (Q8), (dw·sc)·(q − 32) (Q6: dw·sc exact, one rounding).
  *
  *     Then y = acc + bias[c] (when there is a bias), or y += that when the layer accumulates into y.
- *  3. Norms, softmax and the rest reduce each row in one fixed order (decoder.c), on 16-lane vectors whose lanes
+ *  3. Norms, softmax and the rest reduce each row in one fixed order (simd.h), on 16-lane vectors whose lanes
  *     are computed element-wise, so their arithmetic does not depend on the vector width either.
  *
  * BLOCK LAYOUTS. Columns (outputs) come in blocks of 32, zero-padded to a whole block; nb = ceil(n / 32). Inside a
