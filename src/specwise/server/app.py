@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specwise import __version__
 from specwise.server.admin import policy_from_body, policy_view
-from specwise.server.generate import generate
+from specwise.server.generate import Prepared, generate
 from specwise.server.metrics import CONTENT_TYPE
 from specwise.server.middleware import BodyLimit, key_index
 from specwise.server.protocol import (
@@ -118,13 +118,14 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI text completion (one prompt or a list, n choices each); add `"speculative": {"enabled", "drafter",
         "k", "verify", "history"}` to choose speculation."""
-        return await generate(state, request, body, body.prompts(), body.max_tokens, False, body.top_logprobs())
+        prepared = Prepared(body, body.prompts(), body.max_tokens, False, body.top_logprobs())
+        return await generate(state, request, prepared)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         """OpenAI chat completion, rendered with the model's chat template."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return await generate(state, request, body, [messages], body.limit(), True, body.top_logprobs_n())
+        return await generate(state, request, Prepared(body, [messages], body.limit(), True, body.top_logprobs_n()))
 
     @app.get("/admin/policy")
     async def get_policy() -> dict:

@@ -70,18 +70,23 @@ def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) 
     )
 
 
-def _submit(
-    state: ServerState,
-    body: SamplingFields,
-    prompts: list,
-    max_tokens: int | None,
-    logprobs: int | None,
-    sink,
-    tenant: tuple[str, bool] = ("", True),
-) -> list[Sequence]:
+@dataclass(frozen=True)
+class Prepared:
+    """A request as the server runs it: its fields, its prompts (texts, or one chat's messages), its token limit
+    (None: it may fill the context), whether it is a chat, and how many top logprobs each token reports."""
+
+    body: SamplingFields
+    prompts: list
+    max_tokens: int | None
+    chat: bool
+    logprobs: int | None
+
+
+def _submit(state: ServerState, prepared: Prepared, sink, tenant: tuple[str, bool] = ("", True)) -> list[Sequence]:
     """Queue every sequence of a request (each prompt × n choices; choice j of a seeded request draws from the seed's
     stream j), each prompt rendered and encoded once. All or none: a refusal takes back the ones already queued.
     Runs off the event loop (tokenizing a long prompt takes a while)."""
+    body, prompts, max_tokens, logprobs = prepared.body, prepared.prompts, prepared.max_tokens, prepared.logprobs
     submitted: list[Sequence] = []
     sched = state.scheduler
     options = _options(body.speculative, max_tokens is None, tenant)
@@ -116,12 +121,10 @@ def _submit(
         raise
 
 
-async def _submit_off_loop(state: ServerState, request: Request, body, prompts, max_tokens, logprobs, sink):
+async def _submit_off_loop(state: ServerState, request: Request, prepared: Prepared, sink) -> list[Sequence]:
     """`_submit` on a worker thread, so a long prompt's tokenizing never stalls other streams. If the client goes
     away meanwhile, whatever it queued is taken back once the thread is done."""
-    job = asyncio.get_running_loop().run_in_executor(
-        None, _submit, state, body, prompts, max_tokens, logprobs, sink, state.tenant(request)
-    )
+    job = asyncio.get_running_loop().run_in_executor(None, _submit, state, prepared, sink, state.tenant(request))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
@@ -190,21 +193,14 @@ class _Choice:
         self.tokens += len(event.token_ids)
 
 
-async def generate(
-    state: ServerState,
-    request: Request,
-    body: SamplingFields,
-    prompts: list,
-    max_tokens: int | None,
-    chat: bool,
-    logprobs: int | None,
-):
+async def generate(state: ServerState, request: Request, prepared: Prepared):
+    body, prompts, chat = prepared.body, prepared.prompts, prepared.chat
     _check_model(state, body.model)
     tok = state.scheduler.engine.tokenizer
     relay = _Relay()
     started = time.perf_counter()
     load = state.scheduler.running + state.scheduler.waiting + 1  # the load this request meets, itself included
-    seqs = await _submit_off_loop(state, request, body, prompts, max_tokens, logprobs, relay)
+    seqs = await _submit_off_loop(state, request, prepared, relay)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     choices = {seq.request_id: _Choice(i, seq) for i, seq in enumerate(seqs)}
 
