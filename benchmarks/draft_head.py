@@ -7,6 +7,7 @@ training tokens (heads trained on shares of the data, same options), so a user s
 
     python benchmarks/draft_head.py [--prompts 380] [--max-new-tokens 160] [--epochs 8] [--repeats 3]
         [--head DIR: measure an existing head, no training] [--curve 0.125,0.25,0.5] [--eval-prompts 12]
+        [--model qwen2.5-coder-1.5b]
 """
 
 from __future__ import annotations
@@ -128,8 +129,10 @@ def main() -> int:
     ap.add_argument("--head", help="measure this head (a train-draft directory) instead of training one")
     ap.add_argument("--out", default="/tmp/specwise-bench-head", help="where the trained head is written")
     ap.add_argument("--curve", default="0.125,0.25,0.5", help="shares of the data for curve points (none: no curve)")
+    ap.add_argument("--model", help="the target, by name or path (default: the embedded SmolLM2-135M-Instruct)")
     args = ap.parse_args()
-    target = load_target()
+    target = load_target(args.model)
+    print(f"target {target.identity.name}")
     tok = target.tokenizer
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {describe()}")
     options = T.TrainOptions(epochs=args.epochs)

@@ -23,7 +23,7 @@ from test_evaluate import cli, long_ctx_model  # noqa: F401 - the fixture
 from test_server import free_port
 
 from specwise.errors import SpecwiseError
-from specwise.harness.backends import Request
+from specwise.harness.backends import PhaseWork, Request
 from specwise.harness.config import Config
 from specwise.harness.http_backend import EndpointOptions, HTTPBackend
 from specwise.harness.load import parse_load
@@ -96,7 +96,9 @@ def test_every_malformed_response_becomes_that_requests_error_and_the_phase_goes
     records = []
     requests = [Request(p, [], 0, i, p, 4) for i, p in enumerate(STREAMS)]
     worker = threading.Thread(
-        target=backend.run, args=("baseline", parse_load("concurrent@2"), requests, records.append), daemon=True
+        target=backend.run,
+        args=(PhaseWork("baseline", parse_load("concurrent@2"), requests, records.append),),
+        daemon=True,
     )
     worker.start()
     worker.join(30)  # before: the first malformed line killed its request's thread and the phase waited for ever
@@ -164,7 +166,9 @@ def test_every_request_ends_by_its_deadline_and_counts_beyond_its_tokens_are_its
     records = []
     requests = [Request(p, [], 0, i, p, 4) for i, p in enumerate(names)]
     worker = threading.Thread(
-        target=backend.run, args=("baseline", parse_load("concurrent@5"), requests, records.append), daemon=True
+        target=backend.run,
+        args=(PhaseWork("baseline", parse_load("concurrent@5"), requests, records.append),),
+        daemon=True,
     )
     worker.start()
     worker.join(30)  # before: the pings and the endless stream held the phase for ever

@@ -173,3 +173,51 @@ def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_d
             fast = replay_guesses(guesses, len(ids), out, DraftRule(k, MAX_NEW, plain.max_len))
             slow = replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             assert _counts(fast.counts) == _counts(slow.counts) and fast.open_steps == slow.open_steps, (prompt, k)
+
+
+def test_predict_measures_its_baseline_first_and_only_once(tmp_path):
+    """Without --from-run the baseline of the workload is measured first into --out, then predicted from; a second
+    prediction on the same settings reads that run instead of measuring again, and one on other settings is refused
+    (naming what differs) rather than mixed into it."""
+    out = tmp_path / "baseline"
+    common = ("predict", "--drafter", "ngram", "--k", "1,4", "--tasks", "4", "--max-tokens", "24", "--out", out)
+    args = (*common, "--concurrency", "1", "--no-progress")
+    first = cli(*args)
+    assert "measuring the baseline first (4 tasks × concurrent@1)" in first.stderr
+    assert "PREDICTED from the baseline of" in first.stdout and "ngram k=4" in first.stdout
+    with sqlite3.connect(out / "run.db") as con:
+        rows = con.execute("SELECT config, load, finished FROM requests").fetchall()
+    assert len(rows) == 4 and {(c, ld) for c, ld, _ in rows} == {("baseline", "concurrent@1")}
+    again = cli(*args)
+    assert "measuring the baseline" not in again.stderr and "PREDICTED from the baseline of" in again.stdout
+    with sqlite3.connect(out / "run.db") as con:
+        assert con.execute("SELECT config, load, finished FROM requests").fetchall() == rows  # nothing re-measured
+    other = cli(*common, "--concurrency", "2", "--no-progress", check=False)
+    assert other.returncode == 2 and "holds a different run" in other.stderr
+
+
+def test_evaluate_predict_first_runs_only_what_is_not_predicted_to_lose(tmp_path):
+    """--predict-first: a configuration predicted to lose in every cell (a one-layer self-draft at k=2) is not run
+    and says so; adaptive k is run without a prediction; the report sets each predicted cell beside the measured
+    one, and the run's plan holds only what ran."""
+    out = tmp_path / "pf"
+    proc = cli(
+        "evaluate", "--predict-first", "--drafter", "ngram", "--drafter", "layerskip:1", "--k", "2,auto",
+        "--tasks", "4", "--max-tokens", "24", "--concurrency", "1", "--out", out, "--no-progress",
+    )  # fmt: skip
+    assert "predict-first: layerskip:1 k=2: predicted to lose in every cell: not run" in proc.stderr
+    assert "predict-first: ngram k=auto: not predicted: adaptive k is not predicted; run" in proc.stderr
+    assert (out / "predict-baseline" / "run.db").is_file()
+    with sqlite3.connect(out / "run.db") as con:
+        plan = json.loads(con.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
+        ran = {r[0] for r in con.execute("SELECT DISTINCT config FROM requests")}
+    names = [c["name"] for c in plan["configs"]]
+    assert "layerskip:1 k=2" not in names and "layerskip:1 k=2" not in ran
+    assert {"baseline", "ngram k=auto", "layerskip:1 k=auto"} <= ran
+    assert "predicted before the run (--predict-first" in proc.stdout
+    assert "layerskip:1 k=2: not run (predicted to lose in every cell)" in proc.stdout
+    predicted = [ln for ln in proc.stdout.splitlines() if "ngram k=2" in ln and "x [" in ln]
+    if "ngram k=2" in names:  # run: its predicted cell beside the measured one
+        assert any(ln.count("x [") == 2 for ln in predicted), predicted
+    html = (out / "report.html").read_text()
+    assert 'data-table="predicted"' in html and "layerskip:1 k=2: not run" in html

@@ -49,6 +49,24 @@ def cell(group, load, lo, hi, **kw):
     return Cell(group, load, (lo + hi) / 2, lo, hi, **{**base, **kw})
 
 
+def test_a_model_error_widens_an_interval_on_both_sides_in_quadrature():
+    """A predicted interval carries the time model's relative error: added in log terms on each side (1.96 × the
+    error when the interval itself is a point), the estimate unchanged; no error leaves the interval as it is."""
+    import math
+
+    from specwise.harness.statistics import Interval
+
+    point = Interval(1.5, 1.5, 1.5, 6)
+    wide = point.widened(0.1)
+    assert wide.value == 1.5 and wide.n == 6
+    assert math.log(1.5 / wide.lo) == pytest.approx(0.196) and math.log(wide.hi / 1.5) == pytest.approx(0.196)
+    iv = Interval(1.2, 1.0, 1.5, 6)
+    w = iv.widened(0.05)
+    assert w.lo < iv.lo and w.hi > iv.hi
+    assert math.log(1.2 / w.lo) == pytest.approx(math.hypot(math.log(1.2), 1.96 * 0.05))
+    assert iv.widened(0.0) == iv
+
+
 def test_verdict_adopt_when_every_cell_wins():
     v = decide(
         [cell("copy", 1, 1.3, 1.6), cell("copy", 4, 1.1, 1.3), cell("free", 1, 1.05, 1.2), cell("free", 4, 1.01, 1.1)]

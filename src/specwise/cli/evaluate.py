@@ -118,8 +118,55 @@ def add(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("SPECWISE_API_KEY"),
         help="bearer token for --endpoint (default $SPECWISE_API_KEY)",
     )
+    p.add_argument(
+        "--predict-first",
+        action="store_true",
+        help="measure the baseline first (kept in OUT/predict-baseline), predict every fixed-k configuration from its "
+        "outputs (as `specwise predict`), and run only those not predicted to lose in every cell; the report sets "
+        "what was predicted beside what was measured",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+def predict_first(workload, loads, configs, target, cap, out: Path, progress: bool):
+    """--predict-first: the baseline measured once into OUT/predict-baseline, each fixed-k configuration predicted
+    from its outputs (every k of a drafter from one replay), and the configurations predicted to lose in every cell
+    named for skipping; those without a prediction (adaptive k, a trained head) are run as asked."""
+    from specwise.cli.predict import BaselineSpec, PredictSetup, check_predictable, measure_baseline, predict
+    from specwise.harness.predict import config_name
+    from specwise.harness.results import PredictedCell, PredictFirst
+
+    by_drafter: dict[str, list] = {}
+    unpredicted: dict[str, str] = {}
+    for c in configs[1:]:
+        try:
+            check_predictable(c.drafter, [c.k], False)
+            by_drafter.setdefault(c.drafter, []).append(c)
+        except SpecwiseError as exc:
+            unpredicted[c.name] = "adaptive k is not predicted" if c.k == "auto" else str(exc).split(": ", 1)[-1]
+    baseline = measure_baseline(BaselineSpec(workload, loads, target, cap), out / "predict-baseline", progress)
+    setup = PredictSetup(target.model, target.dtype, target.quantize, target.activations)
+    cells: list[PredictedCell] = []
+    for drafter, group in by_drafter.items():
+        p = predict(baseline, drafter, sorted({c.k for c in group}), setup)
+        for c in group:
+            name = config_name(p.drafter, c.k)
+            cells += [
+                PredictedCell(c.name, x.load, x.group, x.n, x.e2e_speedup.value, x.e2e_speedup.lo, x.e2e_speedup.hi)
+                for x in p.predicted.analysed.comparisons
+                if x.config == name
+            ]
+    skipped = []
+    for c in configs[1:]:
+        mine = [x for x in cells if x.config == c.name]
+        verdict = "not predicted: " + unpredicted[c.name] + "; run" if c.name in unpredicted else "run"
+        if mine and all(x.loses() for x in mine):
+            skipped.append(c.name)
+            verdict = "predicted to lose in every cell: not run"
+        shown = ", ".join(f"{x.group}@{x.load.split('@')[-1]} {x.value:.2f}x [{x.lo:.2f}–{x.hi:.2f}]" for x in mine)
+        print(f"predict-first: {c.name}: {verdict}" + (f" ({shown})" if shown else ""), file=sys.stderr)
+    return PredictFirst(str(baseline), cells, skipped, unpredicted)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,11 +230,30 @@ def run(args: argparse.Namespace) -> int:
         target = " ".join(filter(None, [args.model, engine_target.precision_flags()]))
     if args.endpoint:
         target = f"{args.endpoint} {args.model or ''}".strip()
-    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, target, cap, verify)
     out = Path(args.out)
     check_output_dir(out)
+    first = None
+    if args.predict_first:
+        if args.endpoint:
+            raise SpecwiseError(
+                "--predict-first replays drafters over the in-process engine's own output tokens: not with --endpoint"
+            )
+        if args.temperature > 0:
+            raise SpecwiseError("--predict-first predicts greedy runs (temperature 0): drop --temperature or it")
+        first = predict_first(workload, loads, configs, engine_target, cap, out, not args.no_progress)
+        kept = [c for c in configs if c.name not in first.skipped]
+        if len(kept) == 1:
+            print(
+                "every speculative configuration is predicted to lose in every cell: nothing left to measure "
+                f"(the baseline and its outputs: {first.baseline})"
+            )
+            return 0
+        configs = kept
+    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, target, cap, verify)
     store = Store(out / "run.db")
     check_store(plan, store, args.resume)  # before the model loads
+    if first is not None:
+        store.set_meta("predict_first", first.to_json())
     print(
         f"specwise evaluate: {len(workload.tasks)} tasks × {len(configs)} configurations × "
         f"{', '.join(ld.name for ld in loads)} × {plan.repeats} repeat(s) → {out / 'run.db'}",

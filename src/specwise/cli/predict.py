@@ -3,7 +3,9 @@
 The run's baseline outputs are replayed through the drafter for every k (`engine.replay`), a pass-cost curve of the
 run's target is measured on this machine once (cached under the specwise cache, keyed by CPU, kernel variant,
 target and context), and `harness.predict` turns both into the evaluation's own tables and verdicts, marked as
-predicted, beside what the run measured where it ran the same drafter and k.
+predicted, beside what the run measured where it ran the same drafter and k. Without --from-run the baseline is
+measured first — on --workload (default: the built-in release notes) at --concurrency, into --out — once: a later
+prediction on the same workload and settings reads that run instead of measuring it again.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from specwise.cli.common import k_list_arg, precision_flags, write_file
+from specwise.cli.common import k_list_arg, precision_flags, target_options, write_file
 from specwise.errors import SpecwiseError
-from specwise.specs import DRAFTER_HELP
+from specwise.specs import DRAFTER_HELP, TargetOptions
 
 PROBES = 3  # prompts of the run the step-overhead probe decodes, plainly and speculatively
 PROBE_KS = (1, 8)  # … at these draft lengths (the overhead is fitted as a line in drafted tokens per step)
@@ -28,53 +33,174 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "predict", help="predict speedups and the verdict per group × load × k from a baseline run, without running"
     )
-    p.add_argument("--from-run", required=True, metavar="RUN.db", help="a run whose baseline ran on specwise's engine")
+    p.add_argument(
+        "--from-run",
+        metavar="RUN.db",
+        help="a run whose baseline ran on specwise's engine (default: measure the baseline of --workload first)",
+    )
     p.add_argument("--drafter", required=True, help=f"the drafter to predict: {DRAFTER_HELP}")
     p.add_argument("--k", type=k_list_arg, default=[1, 2, 4, 8], help="draft lengths to predict (default 1,2,4,8)")
-    p.add_argument("--workload", help="the run's workload file, if it moved (default: where the run read it)")
+    p.add_argument(
+        "--workload",
+        help="without --from-run: the workload whose baseline is measured (a file or a built-in name; default "
+        "release-notes); with it: the run's workload file, if it moved",
+    )
     p.add_argument("--model", help="the run's target, if it moved (default: the model the run names)")
+    p.add_argument("--concurrency", default="1,4", help="without --from-run: the baseline's closed-loop levels")
+    p.add_argument("--tasks", type=int, default=12, help="without --from-run: a stratified subset of N tasks (0: all)")
+    p.add_argument("--max-tokens", type=int, help="without --from-run: cap every task's output limit")
+    p.add_argument(
+        "--out",
+        default="specwise-predict",
+        help="without --from-run: where the measured baseline is kept (run.db; measured once, then read)",
+    )
+    p.add_argument("--no-progress", action="store_true")
     precision_flags(p)
     p.add_argument("--costs", metavar="FILE", help="a pass-cost file to use instead of measuring (its CPU is trusted)")
     p.add_argument("--json", metavar="FILE", help="also write the prediction as JSON")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from specwise.harness.analyze import analyze, load_run
-    from specwise.harness.predict import baseline_records, predicted_run
+@dataclass(frozen=True)
+class PredictSetup:
+    """What a prediction takes beside the run and the drafter: the target as the run loaded it (its model is the
+    run's when `model` is None), where the run's workload is if it moved, and a pass-cost file to use instead of
+    measuring this machine."""
 
-    ks = args.k
+    model: str | None = None
+    dtype: str = "auto"
+    quantize: str | None = None
+    activations: str = "auto"
+    workload: str | None = None
+    costs: str | None = None
+
+
+@dataclass
+class Prediction:
+    """A run's baseline beside its predicted configurations (one per k), analysed as an evaluation would be."""
+
+    measured: Any  # harness.results.Run
+    predicted: Any  # harness.results.Run, analysed
+    drafter: str
+    costs: Any  # harness.predict.PassCosts
+    overhead: Any  # harness.predict.StepOverhead
+    open_steps: int
+
+
+def check_predictable(drafter: str, ks: list, sampled: bool) -> None:
+    """Refuse a drafter or k that replay cannot predict, naming what it can."""
     if any(not isinstance(k, int) or k < 1 for k in ks):
         raise SpecwiseError(
             f"--k {','.join(map(str, ks))}: predict takes fixed draft lengths ≥ 1 (auto adapts to timing)"
         )
-    measured = load_run(args.from_run)
-    records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
-    if args.drafter.startswith("eagle:"):
+    if drafter.startswith("eagle:"):
         raise SpecwiseError(
             "--drafter eagle:…: a trained head drafts from the target's hidden states, which replay does not compute "
             "yet; predict takes ngram, suffix, model:, int8 and layerskip: drafters"
         )
-    sampled = measured.plan.temperature > 0
-    if sampled and not args.drafter.startswith(("ngram", "suffix")):
+    if sampled and not drafter.startswith(("ngram", "suffix")):
         raise SpecwiseError(
-            f"--drafter {args.drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
+            f"--drafter {drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
             "a draft model's proposals there depend on its own noise"
         )
-    replays, costs, overhead, name, batched = _replay(args, measured, records, ks)
+
+
+def predict(run_path: Path, drafter: str, ks: list[int], setup: PredictSetup) -> Prediction:
+    """Replay the run's baseline outputs through `drafter` at every k and predict each configuration's records from
+    this machine's pass costs; analysed as the evaluation would be, marked as predicted."""
+    from specwise.harness.analyze import analyze, load_run
+    from specwise.harness.predict import baseline_records, predicted_run
+
+    measured = load_run(run_path)
+    records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
+    check_predictable(drafter, ks, measured.plan.temperature > 0)
+    replays, costs, overhead, name, batched = _replay(setup, drafter, measured, records, ks)
     predicted = predicted_run(measured, replays, name, costs, overhead, batched)
-    predicted.analysis = analyze(predicted)
-    text, doc = _summary(measured, predicted, name, costs, sum(r.open_steps for r in replays))
-    doc["step_overhead"] = overhead.to_json()
+    predicted.analysis = analyze(predicted, model_error=overhead.error)
+    return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict from --from-run, or from a baseline measured first; print the tables and verdicts (and --json)."""
+    from specwise.harness.evaluate import stratified, workload_from
+    from specwise.harness.load import loads_from_flags
+
+    check_predictable(args.drafter, args.k, False)  # before anything is measured
+    setup = PredictSetup(args.model, args.dtype, args.quantize, args.activations, args.workload, args.costs)
+    if args.from_run:
+        run_path = Path(args.from_run)
+    else:
+        if args.tasks < 0:
+            raise SpecwiseError(f"--tasks {args.tasks} is not allowed: give 0 (all) or a positive number")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise SpecwiseError(f"--max-tokens {args.max_tokens} is not allowed: it must be ≥ 1")
+        baseline = BaselineSpec(
+            stratified(workload_from(args.workload), args.tasks),
+            loads_from_flags(args.concurrency, None),
+            target_options(args),
+            args.max_tokens,
+        )
+        run_path = measure_baseline(baseline, Path(args.out), not args.no_progress)
+    p = predict(run_path, args.drafter, args.k, setup)
+    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, p.overhead.error)
+    doc["step_overhead"] = p.overhead.to_json()
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")
     return 0
 
 
-def _replay(args, measured, records, ks):
-    """Load the run's target, rebuild each prompt, replay every baseline output for every k; measure (or read) the
-    pass-cost curve."""
+@dataclass(frozen=True)
+class BaselineSpec:
+    """The baseline to measure before predicting: these tasks at these closed-loop loads, greedy, on the
+    in-process engine, with this target and output cap."""
+
+    workload: Any  # harness.workload.Workload
+    loads: list
+    target: TargetOptions
+    max_tokens: int | None = None
+
+
+def measure_baseline(spec: BaselineSpec, out: Path, progress: bool = True) -> Path:
+    """Measure the baseline alone into out/run.db and return its path. Once: a run of the same plan there is read
+    (resumed if it stopped early), never repeated; a run of another plan there is refused, naming what differs."""
+    from specwise.harness.config import Config
+    from specwise.harness.engine_backend import EngineBackend
+    from specwise.harness.evaluate import check_output_dir, engine_batch
+    from specwise.harness.runner import Plan, RunOptions, check_store
+    from specwise.harness.runner import run as measure
+    from specwise.harness.store import Store
+
+    t = spec.target
+    other_precision = t.dtype != "auto" or t.quantize or t.activations != "auto"
+    name = " ".join(filter(None, [t.model, t.precision_flags()])) if other_precision else t.model
+    plan = Plan(spec.workload, [Config("baseline")], spec.loads, model=name, max_tokens_cap=spec.max_tokens)
+    check_output_dir(out)
+    path = out / "run.db"
+    store = Store(path)
+    resume = store.get_meta("plan") is not None
+    check_store(plan, store, resume)  # before the model loads
+    wanted = {("baseline", ld.name, task.id, 0) for ld in spec.loads for task in spec.workload.tasks}
+    if resume and wanted <= store.done_keys():  # measured already: nothing to load
+        store.close()
+        return path
+    print(
+        f"specwise predict: measuring the baseline first ({len(spec.workload.tasks)} tasks × "
+        f"{', '.join(ld.name for ld in spec.loads)}) → {path}" + (" (resuming)" if resume else ""),
+        file=sys.stderr,
+    )
+    backend = EngineBackend(t, plan.configs, max_batch=engine_batch(spec.loads), temperature=0.0)
+    try:
+        measure(plan, store, backend, RunOptions(resume=resume, show_progress=progress))
+    finally:
+        store.close()
+        backend.close()
+    return path
+
+
+def _replay(setup: PredictSetup, spec: str, measured, records, ks):
+    """Load the run's target, rebuild each prompt, replay every baseline output for every k with the drafter `spec`;
+    measure (or read) the pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.replay import (
@@ -89,10 +215,10 @@ def _replay(args, measured, records, ks):
     from specwise.harness.evaluate import engine_batch, workload_from
     from specwise.harness.predict import Replay
     from specwise.harness.provenance import Target
-    from specwise.specs import HARNESS_MAX_LEN, TargetOptions
+    from specwise.specs import HARNESS_MAX_LEN
 
     plan = measured.plan
-    options = TargetOptions(args.model or plan.model, "cpu", args.dtype, args.quantize, args.activations)
+    options = TargetOptions(setup.model or plan.model, "cpu", setup.dtype, setup.quantize, setup.activations)
     target = load_target(options)
     differs = measured.provenance.served_target.difference(Target.read(target.identity.to_dict()))
     if differs:
@@ -101,7 +227,7 @@ def _replay(args, measured, records, ks):
             f"({differs}): give the run's model with --model and its precision flags"
         )
     engine = Engine(target, max_batch=engine_batch(plan.loads), max_len=HARNESS_MAX_LEN)  # as the run's was
-    tasks = {t.id: t for t in workload_from(args.workload or plan.source or plan.workload).tasks}
+    tasks = {t.id: t for t in workload_from(setup.workload or plan.source or plan.workload).tasks}
     prompts: dict[str, list[int]] = {}
     for r in records:
         task = tasks.get(r.task_id)
@@ -119,9 +245,10 @@ def _replay(args, measured, records, ks):
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
-    drafter = make_drafter(args.drafter, target, 1, engine.cache_len)
+    drafter = make_drafter(spec, target, 1, engine.cache_len)
     name, batched = drafter.name, isinstance(drafter, ModelDrafter)
-    if can_guess(drafter) and plan.temperature == 0:  # a greedy draft model: one pass per output, every k from it
+    if isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0:
+        # a greedy draft model: one pass over each output, every k replayed from it
         per_token = draft_token_seconds(drafter)
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
@@ -135,7 +262,7 @@ def _replay(args, measured, records, ks):
         warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
         warm_ids = engine.encode_prompt(WARM_UP[0])
         for k in ks:
-            drafter = make_drafter(args.drafter, target, 1, engine.cache_len)  # a fresh history per k (suffix)
+            drafter = make_drafter(spec, target, 1, engine.cache_len)  # a fresh history per k (suffix)
             replay(drafter, warm_ids, warm.token_ids, DraftRule(k, WARM_UP[1], engine.max_len))
             for r in ordered:
                 assert r.tokens is not None
@@ -143,12 +270,13 @@ def _replay(args, measured, records, ks):
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
 
     def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
-        return Engine(target, drafter=args.drafter, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
+        return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
 
-    costs = _costs(args, measured, drafting_engine, target, records, ks)  # serially in a step): built if measuring
+    # serially in a step): built only if the costs are measured
+    costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
-    overhead = _overhead(args.drafter, target, engine, probes, costs)
+    overhead = _overhead(spec, target, engine, probes, costs)
     return replays, costs, overhead, name, batched
 
 
@@ -180,6 +308,7 @@ def _overhead(spec, target, engine, probes, costs):
     print(f"probing the step overhead of {spec} (k={PROBE_KS}, {len(probes)} prompts) …", file=sys.stderr)
     plain = [engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats for p, n in probes]
     points, scales = [], []
+    requests = []  # (measured decode, modelled decode before the overhead, steps, drafted) of every probe request
     for k in PROBE_KS:
         spec_engine = Engine(target, drafter=spec, k=k, max_batch=engine.max_batch, max_len=engine.max_len)
         spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
@@ -192,32 +321,42 @@ def _overhead(spec, target, engine, probes, costs):
             residual += s.decode_time - modelled
             prefill += s.prefill_time
             steps, drafted = steps + s.steps, drafted + s.drafted
+            requests.append((s.decode_time, modelled, s.steps, s.drafted))
         if steps:
             points.append((drafted / steps, residual / steps))
         scales.append(prefill / max(sum(b.prefill_time for b in plain), 1e-9))
         del spec_engine
+    scale = sum(scales) / len(scales)
     if len(points) == 2 and points[1][0] - points[0][0] > 0.25:
         slope = (points[1][1] - points[0][1]) / (points[1][0] - points[0][0])
-        overhead = StepOverhead(points[0][1] - slope * points[0][0], slope, sum(scales) / len(scales))
+        overhead = StepOverhead(points[0][1] - slope * points[0][0], slope, scale)
     else:
-        overhead = StepOverhead(sum(r for _, r in points) / max(len(points), 1), 0.0, sum(scales) / len(scales))
+        overhead = StepOverhead(sum(r for _, r in points) / max(len(points), 1), 0.0, scale)
+    # What the fitted model still misses on these real requests, relative (RMS): every predicted interval carries it.
+    misses = [
+        (measured - (modelled + steps * overhead.at(drafted / steps))) / measured
+        for measured, modelled, steps, drafted in requests
+        if measured > 0 and steps
+    ]
+    error = math.sqrt(sum(m * m for m in misses) / len(misses)) if misses else 0.0
+    overhead = StepOverhead(overhead.base, overhead.per_draft_token, overhead.prefill_scale, error)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, json.dumps(overhead.to_json()) + "\n")
     return overhead
 
 
-def _costs(args, measured, make_engine, target, records, ks):
+def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now on `make_engine()` (and
     cached). A curve from another CPU or kernel variant than the run's is refused unless given with --costs."""
     from specwise.harness.facts import hardware
     from specwise.harness.predict import PassCosts, machine_id
 
     sha = target.identity.sha256
-    if args.costs:
-        costs = PassCosts.read(Path(args.costs))
+    if cost_file:
+        costs = PassCosts.read(Path(cost_file))
         if costs.target_sha256 != sha:
             raise SpecwiseError(
-                f"--costs {args.costs} was measured on target {costs.target_sha256[:12]}…, the run's is {sha[:12]}…"
+                f"--costs {cost_file} was measured on target {costs.target_sha256[:12]}…, the run's is {sha[:12]}…"
             )
         return costs
     hw = measured.provenance.hardware
@@ -250,7 +389,7 @@ def _costs(args, measured, make_engine, target, records, ks):
     return costs
 
 
-def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple[str, dict]:
+def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: float = 0.0) -> tuple[str, dict]:
     """The prediction for people (per group × load × k, beside what the run measured), and as JSON."""
     from specwise.harness.predict import measured_twin
     from specwise.harness.report import mark
@@ -265,6 +404,8 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int) -> tuple
         f"PREDICTED from the baseline of {measured.path} ({n_base} records): {drafter}, acceptance replayed from "
         "the baseline's outputs, pass costs "
         f"measured on {costs.cpu} ({costs.kernels})",
+        f"every interval carries the time model's error on real speculative requests: {error:.0%} a request (RMS, "
+        "over a cell's n requests ÷ √n; one request at a time: what concurrency adds is not in it)",
         *(
             [f"{open_steps} steps drafted past an output's end (EOS, a stop string): acceptance there is a lower bound"]
             if open_steps

@@ -40,7 +40,11 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K
 def open_gguf(path: Path) -> Index:
     """A GGUF file's header: its scalar metadata, the lengths of its metadata arrays and its tensor directory (read
     with bounded reads; gguf-py's reader would hold the tokenizer's arrays as half a gigabyte of objects)."""
-    return Index(Path(path))
+    try:
+        return Index(Path(path))
+    except SpecwiseError as exc:
+        detail = str(exc).removeprefix(f"{path}: ")
+        raise SpecwiseError(f"{path}: not a readable GGUF file ({detail})") from None
 
 
 def field(reader: Index, key: str, default=None):

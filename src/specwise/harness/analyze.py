@@ -101,8 +101,10 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
     )
 
 
-def analyze(run: Run) -> Analysis:
-    """Every table the report shows, and a verdict per speculative configuration."""
+def analyze(run: Run, model_error: float = 0.0) -> Analysis:
+    """Every table the report shows, and a verdict per speculative configuration. `model_error`: a predicted run's
+    relative time-model error per request, added to every speedup interval (divided by √n: a cell sums n requests'
+    times) before any cell is judged."""
     plan = run.plan
     configs = [c.name for c in plan.configs]
     baseline, specs = configs[0], configs[1:]
@@ -155,6 +157,11 @@ def analyze(run: Run) -> Analysis:
                 )
                 if comp is None:
                     continue
+                if model_error > 0:  # a request's miss, averaged over the cell's requests
+                    cell_error = model_error / math.sqrt(max(comp.e2e_speedup.n, 1))
+                    comp.e2e_speedup = comp.e2e_speedup.widened(cell_error)
+                    if comp.decode_speedup is not None:
+                        comp.decode_speedup = comp.decode_speedup.widened(cell_error)
                 comp.background = behind(by.get((baseline, load.name, g), []) + by.get((s, load.name, g), []))
                 comp.busy = comp.background is not None and comp.background > run.busy_share
                 comparisons.append(comp)

@@ -36,7 +36,7 @@ from specwise.harness.store import Record
 from specwise.speccounts import SpecCounts
 
 COSTS_FORMAT = "specwise-pass-costs/1"
-OVERHEAD_FORMAT = "specwise-step-overhead/1"
+OVERHEAD_FORMAT = "specwise-step-overhead/2"  # /2: the probe's relative error (a /1 file is probed again)
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ class StepOverhead:
     base: float = 0.0
     per_draft_token: float = 0.0
     prefill_scale: float = 1.0  # a speculative engine's prefill time over a plain one's (it runs torch serially)
+    error: float = 0.0  # the time model's relative error on the probe's requests (RMS): every interval carries it
 
     def at(self, drafted: float) -> float:
         return max(0.0, self.base + self.per_draft_token * drafted)
@@ -175,6 +176,7 @@ class StepOverhead:
             "base": self.base,
             "per_draft_token": self.per_draft_token,
             "prefill_scale": self.prefill_scale,
+            "error": self.error,
         }
 
     @classmethod
@@ -184,10 +186,12 @@ class StepOverhead:
         values = (doc.get("base"), doc.get("per_draft_token"))
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
             raise SpecwiseError(f"{where}: 'base' and 'per_draft_token' must be finite numbers of seconds")
-        scale = doc.get("prefill_scale", 1.0)
+        scale, error = doc.get("prefill_scale", 1.0), doc.get("error", 0.0)
         if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
             raise SpecwiseError(f"{where}: 'prefill_scale' must be a positive number")
-        return cls(float(values[0]), float(values[1]), float(scale))  # type: ignore[arg-type]
+        if not isinstance(error, int | float) or not math.isfinite(error) or error < 0:
+            raise SpecwiseError(f"{where}: 'error' must be a number ≥ 0 (a relative error)")
+        return cls(float(values[0]), float(values[1]), float(scale), float(error))  # type: ignore[arg-type]
 
 
 def drafted_histogram(counts: SpecCounts) -> dict[int, int]:

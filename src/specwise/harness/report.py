@@ -82,6 +82,33 @@ def _bg(share: float | None, busy: bool) -> str:
     return "-" if share is None else f"{share:.0%}{'*' if busy else ''}"
 
 
+def predicted_rows(run: Run) -> list[tuple[str, str, str, str, str]]:
+    """evaluate --predict-first: each predicted cell beside what was measured (config, load, group, predicted,
+    measured), skipped configurations included ("not run")."""
+    first = run.predict_first
+    if first is None:
+        return []
+    measured = {(c.config, c.load, c.group): c.e2e_speedup for c in run.analysed.comparisons}
+    rows = []
+    for x in first.cells:
+        m = measured.get((x.config, x.load, x.group))
+        shown = f"{m.value:.2f}x [{m.lo:.2f}–{m.hi:.2f}]" if m else ("not run" if x.config in first.skipped else "—")
+        rows.append((x.config, x.load, x.group, f"{x.value:.2f}x [{x.lo:.2f}–{x.hi:.2f}]", shown))
+    return rows
+
+
+def _predicted_lines(run: Run) -> list[str]:
+    first = run.predict_first
+    if first is None:
+        return []
+    lines = ["", f"predicted before the run (--predict-first, from the baseline in {first.baseline})"]
+    lines.append(f"{'config':>22} {'load':>14} {'group':>12} {'predicted E2E ×  [95% CI]':>26} {'measured':>22}")
+    lines += [f"{c:>22} {ld:>14} {g:>12} {p:>26} {m:>22}" for c, ld, g, p, m in predicted_rows(run)]
+    lines += [f"  {name}: not run (predicted to lose in every cell)" for name in first.skipped]
+    lines += [f"  {name}: run without a prediction ({why})" for name, why in first.unpredicted.items()]
+    return lines
+
+
 def console_summary(run: Run) -> str:
     a = run.analysed
     lines = []
@@ -117,6 +144,7 @@ def console_summary(run: Run) -> str:
     evidence = sorted({c.evidence for c in a.comparisons if c.evidence})
     if evidence:
         lines.append(f"losslessness audit compared: {'; '.join(evidence)}")
+    lines += _predicted_lines(run)
     lines += _best_k_lines(a)
     findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
     if findings:
@@ -339,6 +367,18 @@ def html_report(run: Run) -> str:
         + "</tr>"
         for c in a.comparisons
     )
+    predicted = ""
+    if run.predict_first is not None:
+        first = run.predict_first
+        cells = "".join("<tr>" + "".join(f"<td>{escape(x)}</td>" for x in row) + "</tr>" for row in predicted_rows(run))
+        heads = "".join(f"<th>{h}</th>" for h in ("config", "load", "group", "predicted E2E speedup", "measured"))
+        notes = [f"{n}: not run (predicted to lose in every cell)" for n in first.skipped]
+        notes += [f"{n}: run without a prediction ({why})" for n, why in first.unpredicted.items()]
+        predicted = (
+            f"<h2>Predicted before the run</h2><p>From the baseline in <code>{escape(first.baseline)}</code> "
+            f'(--predict-first).</p><table data-table="predicted"><tr>{heads}</tr>{cells}</table>'
+            + ("<ul>" + "".join(f"<li>{escape(t)}</li>" for t in notes) + "</ul>" if notes else "")
+        )
     bg_line = f'<p class="background">{escape(text)}</p>' if (text := background_line(run)) else ""
     table = f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>"
     note = f'<p class="unreported">{escape(text)}</p>' if (text := _unreported_note(run)) else ""
@@ -359,7 +399,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}</style></head><body>
 <h1>specwise evaluation</h1><p>Run <code>{escape(run.path)}</code>, fingerprint
 <code>{escape(str(run.fingerprint))}</code>, workload <b>{escape(run.plan.workload)}</b>,
 configurations {escape(", ".join(a.configs))}, loads {escape(", ".join(a.loads))}.</p>
-{bg_line}{verdicts}{determinism}{best_k}<h2>Plots</h2>{note}{figs}<h2>Paired comparisons</h2>{table}
+{bg_line}{verdicts}{determinism}{best_k}<h2>Plots</h2>{note}{figs}<h2>Paired comparisons</h2>{table}{predicted}
 <h2>Provenance</h2><pre>{provenance}</pre></body></html>"""
 
 
@@ -371,6 +411,7 @@ def to_json(run: Run) -> str:
             "fingerprint": run.fingerprint,
             "analysis": run.analysed.to_dict(),
             "background": {"busy_share": run.busy_share, "phases": [p.to_dict() for p in run.backgrounds]},
+            "predict_first": run.predict_first.to_json() if run.predict_first else None,
             "records": [asdict(r) for r in run.records],
         },
         indent=2,

@@ -212,6 +212,45 @@ class Analysis:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PredictedCell:
+    """One cell's E2E speedup as `evaluate --predict-first` predicted it before measuring (95% interval)."""
+
+    config: str
+    load: str
+    group: str
+    n: int
+    value: float
+    lo: float
+    hi: float
+
+    def loses(self) -> bool:
+        """Predicted to lose with confidence: the whole interval below 1."""
+        return self.hi < 1.0
+
+
+@dataclass(frozen=True)
+class PredictFirst:
+    """What `evaluate --predict-first` predicted before the run: every predicted cell (of the configurations run
+    and of those skipped), the configurations not run because they were predicted to lose in every cell, and the
+    ones run without a prediction (with why), from the baseline measured first at `baseline`."""
+
+    baseline: str
+    cells: list[PredictedCell]
+    skipped: list[str] = field(default_factory=list)
+    unpredicted: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, doc: object) -> PredictFirst | None:
+        if not isinstance(doc, dict):
+            return None
+        cells = [PredictedCell(**c) for c in doc.get("cells", [])]
+        return cls(str(doc.get("baseline", "")), cells, list(doc.get("skipped", [])), dict(doc.get("unpredicted", {})))
+
+
 @dataclass
 class Run:
     """One results file: the plan, what was measured and where, and (once analysed) the analysis."""
@@ -227,6 +266,7 @@ class Run:
     backgrounds: list[PhaseBackground] = field(default_factory=list)  # per phase, in measuring order
     busy_share: float = BUSY_SHARE  # the threshold this run flags contended phases by
     stored_verdicts: dict[str, dict[str, Verdict]] = field(default_factory=dict)
+    predict_first: PredictFirst | None = None  # evaluate --predict-first: what was predicted before measuring
     analysis: Analysis | None = None
 
     @property
@@ -259,6 +299,7 @@ def read_run(path: str | Path) -> Run:
             [PhaseBackground.read(d) for d in store.get_meta("background") or []],
             float(store.get_meta("busy_share") or BUSY_SHARE),
             verdicts,
+            PredictFirst.read(store.get_meta("predict_first")),
         )
     finally:
         store.close()

@@ -42,8 +42,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.configs]
-        if len(self.configs) < 2:
-            raise SpecwiseError("a comparison needs a baseline and at least one speculative configuration")
+        if not self.configs:  # a baseline alone is a run too (what `specwise predict` measures first)
+            raise SpecwiseError("a plan needs a baseline configuration")
         if len(set(names)) != len(names):
             raise SpecwiseError(f"configuration names must be unique: {names}")
         if self.configs[0].drafter is not None:

@@ -7,6 +7,7 @@ mean times (total baseline time over total speculative time), which weighs long 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,16 @@ class Interval:
 
     def to_dict(self) -> dict:
         return {"value": self.value, "lo": self.lo, "hi": self.hi, "n": self.n}
+
+    def widened(self, relative_error: float, z: float = 1.96) -> Interval:
+        """The interval with a further relative error (a standard deviation, in log terms) added in quadrature on
+        each side: what a prediction's interval carries for the error of the model that made it."""
+        if relative_error <= 0 or not (self.value > 0 and self.lo > 0 and self.hi > 0):
+            return self
+        extra = (z * relative_error) ** 2
+        below = math.sqrt(math.log(self.value / self.lo) ** 2 + extra)
+        above = math.sqrt(math.log(self.hi / self.value) ** 2 + extra)
+        return Interval(self.value, self.value * math.exp(-below), self.value * math.exp(above), self.n)
 
 
 def speedup_ci(
