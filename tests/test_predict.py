@@ -168,7 +168,7 @@ def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_d
     for prompt in PROMPTS:
         ids, out = plain.encode_prompt(prompt), plain.generate(prompt, params)[0].token_ids
         guesses = greedy_guesses(drafter, ids, out)
-        assert len(guesses) == len(out)
+        assert len(guesses.tokens) == len(out) and guesses.prompt_seconds > 0  # the draft's pass over the prompt
         for k in (1, 4, 8):
             fast = replay_guesses(guesses, len(ids), out, DraftRule(k, MAX_NEW, plain.max_len))
             slow = replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
@@ -221,3 +221,63 @@ def test_evaluate_predict_first_runs_only_what_is_not_predicted_to_lose(tmp_path
         assert any(ln.count("x [") == 2 for ln in predicted), predicted
     html = (out / "report.html").read_text()
     assert 'data-table="predicted"' in html and "layerskip:1 k=2: not run" in html
+
+
+def test_predict_from_a_served_request_log(tmp_path):
+    """`serve --log --log-text` keeps each output's token ids beside its text; `predict --log` turns the requests
+    served plainly into a baseline run (each at the load it met) and predicts from it. A log without text, or whose
+    requests were all speculative, is refused naming why, nothing written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import serve_process
+
+    log = tmp_path / "requests.db"
+    prompts = [PROMPTS[i % 3] + f" ({i})" for i in range(6)]
+    with serve_process("--log", log, "--log-text", "--served-model-name", "m") as url:
+
+        def ask(p: str) -> None:
+            body = {"model": "m", "messages": [{"role": "user", "content": p}], "max_tokens": 24}
+            assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+        for p in prompts[:4]:
+            ask(p)  # one at a time: load 1
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(ask, prompts[4:]))  # two together: load 2 (or 1, for the one that ends first)
+    out = tmp_path / "pred"
+    proc = cli("predict", "--log", log, "--drafter", "ngram", "--k", "1,4", "--out", out, "--json", tmp_path / "p.json")
+    assert "6 of 6 logged requests served plainly" in proc.stderr
+    assert f"PREDICTED from the baseline of {out / 'run.db'} (6 records)" in proc.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert {c["k"] for c in doc["cells"]} == {1, 4} and "concurrent@1" in {c["load"] for c in doc["cells"]}
+    assert all(c["group"] == "chat" for c in doc["cells"])
+    with sqlite3.connect(log) as con:
+        tokens = [json.loads(t) for (t,) in con.execute("SELECT tokens FROM log")]
+        con.execute("UPDATE log SET tokens = NULL")
+    assert all(isinstance(t, list) and t for t in tokens)  # the server kept each output's token ids
+    bad = cli("predict", "--log", log, "--drafter", "ngram", "--out", tmp_path / "none", check=False)
+    assert bad.returncode == 2 and "serve with --log-text" in bad.stderr and not (tmp_path / "none").exists()
+    with sqlite3.connect(log) as con:
+        con.executemany("UPDATE log SET tokens = ?, speculative = 1 WHERE rowid = ?",
+                        [(json.dumps(t), i + 1) for i, t in enumerate(tokens)])  # fmt: skip
+    bad = cli("predict", "--log", log, "--drafter", "ngram", "--out", tmp_path / "none", check=False)
+    assert bad.returncode == 2 and "served with speculation" in bad.stderr
+
+
+def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_drafts_free():
+    """Least squares over the probe's requests (weighted by steps): an exact line is recovered with no miss; a
+    probe whose extra time falls as more is drafted is fitted with no cost per drafted token (the drafted rows'
+    cost is in the pass costs already), and what the fit misses is its relative error."""
+    from specwise.cli.predict import fit_overhead
+
+    def request(steps: int, drafted: int, base: float, per: float, modelled: float = 1.0) -> tuple:
+        return (modelled + steps * base + drafted * per, modelled, steps, drafted)
+
+    exact = [request(s, d, 0.002, 0.0005) for s, d in ((100, 50), (100, 300), (80, 40), (120, 600))]
+    fitted = fit_overhead(exact, 1.1)
+    assert fitted.base == pytest.approx(0.002) and fitted.per_draft_token == pytest.approx(0.0005)
+    assert fitted.error == pytest.approx(0.0, abs=1e-9) and fitted.prefill_scale == 1.1
+    falling = [request(100, 50, 0.004, 0.0), request(100, 400, 0.001, 0.0)]
+    odd = fit_overhead(falling, 1.0)
+    assert odd.per_draft_token == 0.0 and odd.error > 0
+    assert fit_overhead([], 1.0).base == 0.0

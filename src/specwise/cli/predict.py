@@ -11,6 +11,7 @@ prediction on the same workload and settings reads that run instead of measuring
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -37,6 +38,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--from-run",
         metavar="RUN.db",
         help="a run whose baseline ran on specwise's engine (default: measure the baseline of --workload first)",
+    )
+    p.add_argument(
+        "--log",
+        metavar="requests.db",
+        help="a request log of `specwise serve --log PATH --log-text`: predict for the traffic it served plainly "
+        "(its requests become a baseline run in --out; each request's load is the load it met)",
     )
     p.add_argument("--drafter", required=True, help=f"the drafter to predict: {DRAFTER_HELP}")
     p.add_argument("--k", type=k_list_arg, default=[1, 2, 4, 8], help="draft lengths to predict (default 1,2,4,8)")
@@ -116,7 +123,7 @@ def predict(run_path: Path, drafter: str, ks: list[int], setup: PredictSetup) ->
     check_predictable(drafter, ks, measured.plan.temperature > 0)
     replays, costs, overhead, name, batched = _replay(setup, drafter, measured, records, ks)
     predicted = predicted_run(measured, replays, name, costs, overhead, batched)
-    predicted.analysis = analyze(predicted, model_error=overhead.error)
+    predicted.analysis = analyze(predicted, model_error=overhead.error_at)
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
 
 
@@ -127,8 +134,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_predictable(args.drafter, args.k, False)  # before anything is measured
     setup = PredictSetup(args.model, args.dtype, args.quantize, args.activations, args.workload, args.costs)
+    if args.from_run and args.log:
+        raise SpecwiseError("--from-run and --log are two sources of a baseline: give one")
     if args.from_run:
         run_path = Path(args.from_run)
+    elif args.log:
+        run_path = run_from_log(Path(args.log), target_options(args), Path(args.out))
     else:
         if args.tasks < 0:
             raise SpecwiseError(f"--tasks {args.tasks} is not allowed: give 0 (all) or a positive number")
@@ -142,12 +153,95 @@ def run(args: argparse.Namespace) -> int:
         )
         run_path = measure_baseline(baseline, Path(args.out), not args.no_progress)
     p = predict(run_path, args.drafter, args.k, setup)
-    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, p.overhead.error)
+    o = p.overhead
+    errors = f"{o.error:.0%} one at a time" + (f", {o.batch_error:.0%} at concurrency {o.batch}" if o.batch > 1 else "")
+    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, errors)
     doc["step_overhead"] = p.overhead.to_json()
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def run_from_log(log: Path, target: TargetOptions, out: Path) -> Path:
+    """A served request log as a baseline run in out/run.db (its prompts as out/log-workload.jsonl): the requests the
+    server decoded plainly for this target, with their text and token ids (`serve --log-text`), each at the load it
+    met (running + waiting requests, itself included) as a closed-loop load. Written afresh on every call."""
+    from specwise import __version__
+    from specwise.engine import load_target
+    from specwise.harness.config import Config
+    from specwise.harness.evaluate import check_output_dir
+    from specwise.harness.facts import hardware
+    from specwise.harness.load import Load
+    from specwise.harness.runner import Plan
+    from specwise.harness.store import Record, Store
+    from specwise.harness.workload import load_workload
+    from specwise.monitor.requestlog import RequestLog
+
+    reader = RequestLog(str(log), mode="r")
+    try:
+        entries = reader.entries()
+    finally:
+        reader.close()
+    loaded = load_target(target)
+    sha = loaded.identity.sha256
+    texts = [e for e in entries if e.prompt is not None and e.tokens is not None]
+    mine = [e for e in texts if (e.target or {}).get("sha256") == sha]
+    plain = [e for e in mine if not e.speculative and e.tokens and e.e2e > 0]
+    if not plain:
+        why = (
+            "no request with its text and token ids (serve with --log-text)"
+            if not texts
+            else f"none of its {len(texts)} requests with text was served by {loaded.identity.name} (sha256 "
+            f"{sha[:12]}…): give the served model with --model"
+            if not mine
+            else f"every one of its {len(mine)} requests was served with speculation: predict needs requests the "
+            "server decoded plainly (their times are the baseline)"
+        )
+        raise SpecwiseError(f"--log {log}: {why}")
+    check_output_dir(out)
+    lines, records = [], []
+    for i, e in enumerate(plain):
+        task_id = f"log-{i:05d}"
+        group = "chat" if e.chat else "completion"
+        # the request's own limit is not logged: an output that stopped on it is its limit; else the engine could
+        # have gone on, and drafts near the end are bounded by the cache, as the server's were
+        limit = e.output_tokens if e.finish_reason == "length" else e.output_tokens + 64
+        text = e.prompt or ""
+        field = {"messages": json.loads(text)} if e.chat else {"prompt": text}
+        lines.append(json.dumps({"id": task_id, "groups": [group], "max_tokens": limit, **field}))
+        submitted = e.time - e.e2e
+        record = Record(
+            "baseline", f"concurrent@{e.load}", task_id, 0, [group], 0, submitted, e.time,
+            output=e.output or "", prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
+            finish_reason=e.finish_reason, ttft=e.ttft, e2e=e.e2e, prefill=e.ttft, decode=e.decode_time,
+            tokens=list(e.tokens or []),
+        )  # fmt: skip
+        records.append(record)
+    path = out / "log-workload.jsonl"
+    write_file(path, "\n".join(lines) + "\n")
+    loads = [Load("concurrent", n) for n in sorted({e.load for e in plain})]
+    plan = Plan(load_workload(path), [Config("baseline")], loads, model=target.model)
+    run_path = out / "run.db"
+    for stale in (run_path, Path(f"{run_path}-wal"), Path(f"{run_path}-shm")):
+        stale.unlink(missing_ok=True)
+    store = Store(run_path)
+    try:
+        store.set_meta("plan", plan.to_meta())
+        store.set_meta("fingerprint", plan.fingerprint())
+        info = {"target": loaded.identity.to_dict(), "configs": {"baseline": {"drafter": None}}, "backend": "log"}
+        store.set_meta("provenance", {**info, "hardware": hardware(), "specwise_version": __version__})
+        for r in records:
+            store.add(r)
+    finally:
+        store.close()
+    print(
+        f"specwise predict: {len(plain)} of {len(entries)} logged requests served plainly by {loaded.identity.name} "
+        f"→ a baseline run in {run_path} (loads {', '.join(ld.name for ld in loads)}; the server's machine taken to "
+        "be this one)",
+        file=sys.stderr,
+    )
+    return run_path
 
 
 @dataclass(frozen=True)
@@ -276,7 +370,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
-    overhead = _overhead(spec, target, engine, probes, costs)
+    batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
+    overhead = _overhead(spec, target, engine, probes, costs, batch)
     return replays, costs, overhead, name, batched
 
 
@@ -290,59 +385,128 @@ def _cache_file(kind: str, *key: object) -> Path:
     return cache_root() / "pass-costs" / f"{kind}{digest}.json"
 
 
-def _overhead(spec, target, engine, probes, costs):
+def _overhead(spec, target, engine, probes, costs, batch: int = 1):
     """The per-step overhead of speculating with `spec` on this machine: a few of the run's prompts decoded plainly
     and with the drafter at each of PROBE_KS, one at a time; what the speculative steps took beyond the plain
-    step, their extra pass rows (the cost curve) and their drafting, fitted as base + per drafted token. Cached
-    beside the pass costs, per drafter."""
+    step, their extra pass rows (the cost curve) and their drafting, fitted as base + per drafted token. With
+    `batch` > 1 the same prompts also run together, `batch` at a time, plainly and speculatively, for the model's
+    error at that concurrency. Cached beside the pass costs, per drafter and batch."""
     from specwise.engine import Engine, SamplingParams
     from specwise.harness.backends import WARM_UP
     from specwise.harness.predict import StepOverhead, extra_pass_seconds
 
-    path = _cache_file("overhead-", target.model.kernels, target.identity.sha256, spec, PROBE_KS, probes)
+    path = _cache_file("overhead-", target.model.kernels, target.identity.sha256, spec, PROBE_KS, probes, batch)
     if path.is_file():
         try:
             return StepOverhead.from_json(json.loads(path.read_text()), str(path))
         except (SpecwiseError, OSError, ValueError):
             pass  # measured again
     print(f"probing the step overhead of {spec} (k={PROBE_KS}, {len(probes)} prompts) …", file=sys.stderr)
+    watch = _Quiet()
     plain = [engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats for p, n in probes]
-    points, scales = [], []
+    scales = []
     requests = []  # (measured decode, modelled decode before the overhead, steps, drafted) of every probe request
     for k in PROBE_KS:
         spec_engine = Engine(target, drafter=spec, k=k, max_batch=engine.max_batch, max_len=engine.max_len)
         spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
-        steps = drafted = 0
-        residual, prefill = 0.0, 0.0
+        prefill = 0.0
         for (p, n), b in zip(probes, plain, strict=True):
             s = spec_engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats
             base_step = b.decode_time / max(b.generated_tokens - 1, 1)
             modelled = s.steps * base_step + extra_pass_seconds(s.counts(), 1, costs) + s.drafting_time
-            residual += s.decode_time - modelled
             prefill += s.prefill_time
-            steps, drafted = steps + s.steps, drafted + s.drafted
             requests.append((s.decode_time, modelled, s.steps, s.drafted))
-        if steps:
-            points.append((drafted / steps, residual / steps))
         scales.append(prefill / max(sum(b.prefill_time for b in plain), 1e-9))
         del spec_engine
-    scale = sum(scales) / len(scales)
-    if len(points) == 2 and points[1][0] - points[0][0] > 0.25:
-        slope = (points[1][1] - points[0][1]) / (points[1][0] - points[0][0])
-        overhead = StepOverhead(points[0][1] - slope * points[0][0], slope, scale)
-    else:
-        overhead = StepOverhead(sum(r for _, r in points) / max(len(points), 1), 0.0, scale)
-    # What the fitted model still misses on these real requests, relative (RMS): every predicted interval carries it.
-    misses = [
-        (measured - (modelled + steps * overhead.at(drafted / steps))) / measured
-        for measured, modelled, steps, drafted in requests
-        if measured > 0 and steps
-    ]
-    error = math.sqrt(sum(m * m for m in misses) / len(misses)) if misses else 0.0
-    overhead = StepOverhead(overhead.base, overhead.per_draft_token, overhead.prefill_scale, error)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, json.dumps(overhead.to_json()) + "\n")
+    overhead = fit_overhead(requests, sum(scales) / len(scales))
+    if batch > 1:
+        overhead = dataclasses.replace(
+            overhead, batch=batch, batch_error=_batch_error(spec, target, engine, probes, costs, overhead, batch)
+        )
+    if watch.kept("the step-overhead probe"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, json.dumps(overhead.to_json()) + "\n")
     return overhead
+
+
+def _batch_error(spec, target, engine, probes, costs, overhead, batch: int) -> float:
+    """The time model's relative miss (RMS) on the probe's prompts decoded `batch` at a time: each speculative
+    request's decode against the model's — its plain twin's step from the same batch, the extra pass rows at that
+    concurrency, its drafting, `batch` rows' overhead a step — at each of PROBE_KS."""
+    from specwise.engine import Engine, SamplingParams
+    from specwise.harness.backends import WARM_UP
+    from specwise.harness.predict import extra_pass_seconds
+
+    prompts = [probes[i % len(probes)] for i in range(batch)]
+    limit = min(n for _, n in prompts)  # one limit, so the batch stays full to the end as the model assumes
+
+    def decode(e) -> list:
+        return [r.stats for r in e.generate([p for p, _ in prompts], SamplingParams(max_new_tokens=limit))]
+
+    plain = decode(Engine(target, max_batch=max(batch, engine.max_batch), max_len=engine.max_len))
+    misses = []
+    for k in PROBE_KS:
+        spec_engine = Engine(target, drafter=spec, k=k, max_batch=max(batch, engine.max_batch), max_len=engine.max_len)
+        spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
+        for s, b in zip(decode(spec_engine), plain, strict=True):
+            if not (s.steps and s.decode_time > 0):
+                continue
+            step = b.decode_time / max(b.generated_tokens - 1, 1)
+            counts = s.counts()
+            drafting = s.drafting_time  # measured inside the batch: what the batch's drafting cost this request
+            modelled = (
+                s.steps * (step + batch * overhead.at(s.drafted / s.steps))
+                + extra_pass_seconds(counts, batch, costs)
+                + drafting
+            )
+            misses.append((s.decode_time - modelled) / s.decode_time)
+        del spec_engine
+    return math.sqrt(sum(m * m for m in misses) / len(misses)) if misses else 0.0
+
+
+def fit_overhead(requests: list[tuple[float, float, int, int]], prefill_scale: float):
+    """A step's overhead as base + per drafted token, least squares over the probe's requests (each weighted by its
+    steps) of what each step took beyond the model without it; a negative cost per drafted token (not physical: the
+    rows are in the pass costs already) is fitted as none. With the fitted model's relative miss on those requests
+    (RMS), which every predicted interval carries."""
+    from specwise.harness.predict import StepOverhead
+
+    pts = [(d / n, (m - mod) / n, n) for m, mod, n, d in requests if n]
+    total = sum(w for _, _, w in pts)
+    if not total:
+        return StepOverhead(prefill_scale=prefill_scale)
+    mx = sum(x * w for x, _, w in pts) / total
+    my = sum(y * w for _, y, w in pts) / total
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    slope = sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx if sxx > 1e-9 else 0.0
+    slope = max(slope, 0.0)
+    fitted = StepOverhead(my - slope * mx, slope, prefill_scale)
+    misses = [(m - (mod + n * fitted.at(d / n))) / m for m, mod, n, d in requests if m > 0 and n]
+    error = math.sqrt(sum(x * x for x in misses) / len(misses)) if misses else 0.0
+    return StepOverhead(fitted.base, fitted.per_draft_token, prefill_scale, error)
+
+
+class _Quiet:
+    """Whether the machine stayed quiet while something was measured for the cache: a measurement taken beside other
+    work is used once, with a warning, and not kept (a later prediction measures again)."""
+
+    def __init__(self) -> None:
+        from specwise.harness.background import Sampler
+
+        self.sampler = Sampler()
+        self.start = self.sampler.snapshot()
+
+    def kept(self, what: str) -> bool:
+        from specwise.specs import BUSY_SHARE
+
+        bg = self.sampler.between(self.start, self.sampler.snapshot())
+        if bg.busy(BUSY_SHARE):
+            print(
+                f"specwise predict: {what} ran beside other work ({bg.text()}): used for this prediction, not kept",
+                file=sys.stderr,
+            )
+            return False
+        return True
 
 
 def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
@@ -382,14 +546,16 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
             pass  # a damaged cache file is measured again
     print(f"measuring pass costs (sizes 1–{top}, context {context}) …", file=sys.stderr)
     engine = make_engine()
+    watch = _Quiet()
     seconds = engine.pass_costs(sizes, context=min(context, engine.cache_len - top))
     costs = PassCosts(seconds, machine_id(), target.model.kernels, sha, hardware()["cpu_threads"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, json.dumps(costs.to_json(), indent=2) + "\n")
+    if watch.kept("the pass-cost measurement"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, json.dumps(costs.to_json(), indent=2) + "\n")
     return costs
 
 
-def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: float = 0.0) -> tuple[str, dict]:
+def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: str = "") -> tuple[str, dict]:
     """The prediction for people (per group × load × k, beside what the run measured), and as JSON."""
     from specwise.harness.predict import measured_twin
     from specwise.harness.report import mark
@@ -404,8 +570,8 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: f
         f"PREDICTED from the baseline of {measured.path} ({n_base} records): {drafter}, acceptance replayed from "
         "the baseline's outputs, pass costs "
         f"measured on {costs.cpu} ({costs.kernels})",
-        f"every interval carries the time model's error on real speculative requests: {error:.0%} a request (RMS, "
-        "over a cell's n requests ÷ √n; one request at a time: what concurrency adds is not in it)",
+        f"every interval carries the time model's error on real speculative requests, per request (RMS; over a "
+        f"cell's n requests ÷ √n): {error}",
         *(
             [f"{open_steps} steps drafted past an output's end (EOS, a stop string): acceptance there is a lower bound"]
             if open_steps

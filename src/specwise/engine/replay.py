@@ -123,17 +123,29 @@ def can_guess(drafter: Drafter) -> bool:
     return isinstance(drafter, ModelDrafter) and bool(getattr(drafter.model, "batch_invariant", False))
 
 
-def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: list[int]) -> list[int]:
-    """guesses[j] = the draft model's greedy token after prompt + output[:j], for j = 1 … n-1 (guesses[0] unused),
-    from passes over the sequence on the drafter's own cache (slot 0; the drafter forgets it afterwards)."""
+@dataclass(frozen=True)
+class Guesses:
+    """A greedy draft model's guesses over one output, and the seconds its pass over the prompt took: the catch-up a
+    speculative run's draft pays once per request before its first draft."""
+
+    tokens: list[int]  # tokens[j]: its greedy token after prompt + output[:j], j = 1 … n-1 (tokens[0] unused)
+    prompt_seconds: float = 0.0
+
+
+def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: list[int]) -> Guesses:
+    """The draft model's greedy token after every prefix of the output, from passes over prompt + output on the
+    drafter's own cache (slot 0; the drafter forgets it afterwards), with the time its prompt's rows took (a chunk
+    that holds both, in proportion)."""
     tokens = [*prompt_ids, *output_ids[:-1]]
     first = len(prompt_ids)  # the row of output[0]: its logits guess output[1]
     guesses = [-1]
+    prompt_seconds = 0.0
     dev = drafter.device
     with torch.inference_mode():
         for start in range(0, len(tokens), CHUNK):
             chunk = tokens[start : start + CHUNK]
             rows = [i - start for i in range(max(start, first), start + len(chunk))]
+            t0 = time.perf_counter()
             logits = drafter.model.forward_tokens(
                 drafter.cache,
                 torch.tensor(chunk, device=dev),
@@ -141,21 +153,26 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
                 torch.zeros(len(chunk), dtype=torch.long, device=dev),
                 torch.tensor(rows or [len(chunk) - 1]),  # a prompt-only chunk: one row asked, none kept
             )
+            prompt_seconds += (time.perf_counter() - t0) * max(0, min(first - start, len(chunk))) / len(chunk)
             if rows:
                 guesses += greedy(logits)
     drafter.release(0)
-    return guesses
+    return Guesses(guesses, prompt_seconds)
 
 
 def replay_guesses(
-    guesses: list[int], prompt_len: int, output_ids: list[int], rule: DraftRule, seconds_per_draft_token: float = 0.0
+    guesses: Guesses, prompt_len: int, output_ids: list[int], rule: DraftRule, seconds_per_draft_token: float = 0.0
 ) -> Replayed:
     """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
-    first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token."""
+    first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token,
+    and the first draft also pays the draft's pass over the prompt."""
+    caught_up = [False]
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
-        draft = guesses[p : p + ke]
-        return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token
+        draft = guesses.tokens[p : p + ke]
+        catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
+        caught_up[0] = True
+        return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token + catch_up
 
     return walk(propose, prompt_len, output_ids, rule)
 

@@ -36,7 +36,7 @@ from specwise.harness.store import Record
 from specwise.speccounts import SpecCounts
 
 COSTS_FORMAT = "specwise-pass-costs/1"
-OVERHEAD_FORMAT = "specwise-step-overhead/2"  # /2: the probe's relative error (a /1 file is probed again)
+OVERHEAD_FORMAT = "specwise-step-overhead/3"  # /3: the probe's errors alone and batched (an older file: probed again)
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,15 @@ class StepOverhead:
     per_draft_token: float = 0.0
     prefill_scale: float = 1.0  # a speculative engine's prefill time over a plain one's (it runs torch serially)
     error: float = 0.0  # the time model's relative error on the probe's requests (RMS): every interval carries it
+    batch: int = 1  # the concurrency the probe also ran its requests at, together (1: only one at a time)
+    batch_error: float = 0.0  # … and the model's relative error there, which cells above concurrency 1 carry
 
     def at(self, drafted: float) -> float:
         return max(0.0, self.base + self.per_draft_token * drafted)
+
+    def error_at(self, concurrency: float) -> float:
+        """The relative error per request a cell at this concurrency carries."""
+        return self.error if concurrency <= 1 or self.batch <= 1 else max(self.error, self.batch_error)
 
     def to_json(self) -> dict:
         return {
@@ -177,6 +183,8 @@ class StepOverhead:
             "per_draft_token": self.per_draft_token,
             "prefill_scale": self.prefill_scale,
             "error": self.error,
+            "batch": self.batch,
+            "batch_error": self.batch_error,
         }
 
     @classmethod
@@ -186,12 +194,17 @@ class StepOverhead:
         values = (doc.get("base"), doc.get("per_draft_token"))
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
             raise SpecwiseError(f"{where}: 'base' and 'per_draft_token' must be finite numbers of seconds")
-        scale, error = doc.get("prefill_scale", 1.0), doc.get("error", 0.0)
+        scale = doc.get("prefill_scale", 1.0)
         if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
             raise SpecwiseError(f"{where}: 'prefill_scale' must be a positive number")
-        if not isinstance(error, int | float) or not math.isfinite(error) or error < 0:
-            raise SpecwiseError(f"{where}: 'error' must be a number ≥ 0 (a relative error)")
-        return cls(float(values[0]), float(values[1]), float(scale), float(error))  # type: ignore[arg-type]
+        errors = (doc.get("error", 0.0), doc.get("batch_error", 0.0))
+        if not all(isinstance(e, int | float) and math.isfinite(e) and e >= 0 for e in errors):
+            raise SpecwiseError(f"{where}: 'error' and 'batch_error' must be numbers ≥ 0 (relative errors)")
+        batch = doc.get("batch", 1)
+        if not isinstance(batch, int) or batch < 1:
+            raise SpecwiseError(f"{where}: 'batch' must be a whole number ≥ 1")
+        base, per = float(values[0]), float(values[1])  # type: ignore[arg-type]
+        return cls(base, per, float(scale), float(errors[0]), batch, float(errors[1]))
 
 
 def drafted_histogram(counts: SpecCounts) -> dict[int, int]:

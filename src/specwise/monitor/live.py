@@ -126,6 +126,7 @@ class DriftWatch:
             draft=self._draft(seq.drafter) if s.drafted else None,
             prompt=(prompt if isinstance(prompt, str) else json.dumps(prompt)) if self.log_text else None,
             output=result.text if self.log_text else None,
+            tokens=list(result.token_ids) if self.log_text else None,
             chat=not isinstance(prompt, str) if self.log_text else None,
         )
         self.observe(entry)
@@ -136,7 +137,7 @@ class DriftWatch:
             self._writes.put(("entry", entry))
         if self.baseline is not None:
             with self._lock:
-                self.recent.append(dataclasses.replace(entry, prompt=None, output=None))
+                self.recent.append(dataclasses.replace(entry, prompt=None, output=None, tokens=None))
             if self.on_drift == "revert" and not self.reverted and self.revert is not None:
                 reasons = self._assess()[2]
                 if reasons:  # once: a person turns speculation back on (specwise policy set)

@@ -27,7 +27,7 @@ CREATE TABLE IF NOT EXISTS log (
     time REAL NOT NULL, prompt_tokens INTEGER, output_tokens INTEGER, ttft REAL, e2e REAL, load INTEGER,
     speculative INTEGER, drafter TEXT, steps INTEGER, drafted INTEGER, accepted INTEGER,
     drafted_per_position TEXT, accepted_per_position TEXT, drafting_time REAL, verification_time REAL,
-    decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT, chat INTEGER
+    decode_time REAL, finish_reason TEXT, target TEXT, draft TEXT, prompt TEXT, output TEXT, chat INTEGER, tokens TEXT
 );
 CREATE INDEX IF NOT EXISTS log_time ON log (time);
 CREATE TABLE IF NOT EXISTS policy_changes (time REAL NOT NULL, old TEXT, new TEXT, by TEXT, reason TEXT);
@@ -53,9 +53,10 @@ class LogEntry:
     prompt: str | None = None
     output: str | None = None
     chat: bool | None = None  # the prompt is chat messages (JSON); None in logs from before this was recorded
+    tokens: list[int] | None = None  # the output's token ids, with the text (--log-text): what predict replays
 
 
-_JSON = ("drafted_per_position", "accepted_per_position", "target", "draft")
+_JSON = ("drafted_per_position", "accepted_per_position", "target", "draft", "tokens")
 _COUNTS = (
     "steps",
     "drafted",
@@ -98,8 +99,10 @@ class RequestLog:
                         f"{self.path} is an SQLite file but not a specwise request log: choose another path for --log"
                     )
                 self.db.executescript(SCHEMA)
-                if "chat" not in {r[1] for r in self.db.execute("PRAGMA table_info(log)")}:  # an older log
-                    self.db.execute("ALTER TABLE log ADD COLUMN chat INTEGER")
+                columns = {r[1] for r in self.db.execute("PRAGMA table_info(log)")}
+                for column, kind in (("chat", "INTEGER"), ("tokens", "TEXT")):  # an older log: add the column
+                    if column not in columns:
+                        self.db.execute(f"ALTER TABLE log ADD COLUMN {column} {kind}")
             elif "log" not in tables or "meta" not in tables:
                 raise SpecwiseError(f"{self.path} is not a specwise request log (written by `specwise serve --log`)")
         except sqlite3.Error as exc:
@@ -211,7 +214,7 @@ class RequestLog:
         for row in cur.fetchall():
             d = dict(zip(names, row, strict=True))
             for k in _JSON:
-                d[k] = json.loads(d[k]) if d[k] is not None else None
+                d[k] = json.loads(d[k]) if d.get(k) is not None else None
             d["spec"] = SpecCounts.from_dict({k: d.pop(k) for k in _COUNTS})
             d["target"] = d["target"] or {}
             d["speculative"] = bool(d["speculative"])
