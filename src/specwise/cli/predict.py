@@ -26,6 +26,7 @@ from specwise.specs import DRAFTER_HELP, TargetOptions
 
 PROBES = 3  # prompts of the run the step-overhead probe decodes, plainly and speculatively
 PROBE_KS = (1, 8)  # … at these draft lengths (the overhead is fitted as a line in drafted tokens per step)
+PROBE_REPEATS = 2  # … each this many times, the fastest kept (one decode's timing noise moved the fit by ±15%)
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 
@@ -123,7 +124,7 @@ def predict(run_path: Path, drafter: str, ks: list[int], setup: PredictSetup) ->
     check_predictable(drafter, ks, measured.plan.temperature > 0)
     replays, costs, overhead, name, batched = _replay(setup, drafter, measured, records, ks)
     predicted = predicted_run(measured, replays, name, costs, overhead, batched)
-    predicted.analysis = analyze(predicted, model_error=overhead.error_at)
+    predicted.analysis = analyze(predicted, model_error=overhead.cell_error)
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
 
 
@@ -403,7 +404,15 @@ def _overhead(spec, target, engine, probes, costs, batch: int = 1):
             pass  # measured again
     print(f"probing the step overhead of {spec} (k={PROBE_KS}, {len(probes)} prompts) …", file=sys.stderr)
     watch = _Quiet()
-    plain = [engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats for p, n in probes]
+
+    def steady(e, p: str | list, n: int):
+        """A request's stats, decoded PROBE_REPEATS times: the fastest decode (the least disturbed; plain and
+        speculative alike), and the fastest prefill."""
+        runs = [e.generate(p, SamplingParams(max_new_tokens=n))[0].stats for _ in range(PROBE_REPEATS)]
+        best = min(runs, key=lambda st: st.decode_time)
+        return dataclasses.replace(best, prefill_time=min(st.prefill_time for st in runs))
+
+    plain = [steady(engine, p, n) for p, n in probes]
     scales = []
     requests = []  # (measured decode, modelled decode before the overhead, steps, drafted) of every probe request
     for k in PROBE_KS:
@@ -411,7 +420,7 @@ def _overhead(spec, target, engine, probes, costs, batch: int = 1):
         spec_engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))
         prefill = 0.0
         for (p, n), b in zip(probes, plain, strict=True):
-            s = spec_engine.generate(p, SamplingParams(max_new_tokens=n))[0].stats
+            s = steady(spec_engine, p, n)
             base_step = b.decode_time / max(b.generated_tokens - 1, 1)
             modelled = s.steps * base_step + extra_pass_seconds(s.counts(), 1, costs) + s.drafting_time
             prefill += s.prefill_time
@@ -420,19 +429,19 @@ def _overhead(spec, target, engine, probes, costs, batch: int = 1):
         del spec_engine
     overhead = fit_overhead(requests, sum(scales) / len(scales))
     if batch > 1:
-        overhead = dataclasses.replace(
-            overhead, batch=batch, batch_error=_batch_error(spec, target, engine, probes, costs, overhead, batch)
-        )
+        bias, spread = _batch_miss(spec, target, engine, probes, costs, overhead, batch)
+        overhead = dataclasses.replace(overhead, batch=batch, batch_error=spread, batch_bias=bias)
     if watch.kept("the step-overhead probe"):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, json.dumps(overhead.to_json()) + "\n")
     return overhead
 
 
-def _batch_error(spec, target, engine, probes, costs, overhead, batch: int) -> float:
-    """The time model's relative miss (RMS) on the probe's prompts decoded `batch` at a time: each speculative
-    request's decode against the model's — its plain twin's step from the same batch, the extra pass rows at that
-    concurrency, its drafting, `batch` rows' overhead a step — at each of PROBE_KS."""
+def _batch_miss(spec, target, engine, probes, costs, overhead, batch: int) -> tuple[float, float]:
+    """The time model's relative miss on the probe's prompts decoded `batch` at a time — each speculative request's
+    decode against the model's: its plain twin's step from the same batch, the extra pass rows at that concurrency,
+    its drafting, `batch` rows' overhead a step — at each of PROBE_KS: (the mean miss, signed, which corrects
+    predictions above concurrency 1; the spread around it, RMS, which their intervals carry)."""
     from specwise.engine import Engine, SamplingParams
     from specwise.harness.backends import WARM_UP
     from specwise.harness.predict import extra_pass_seconds
@@ -459,9 +468,12 @@ def _batch_error(spec, target, engine, probes, costs, overhead, batch: int) -> f
                 + extra_pass_seconds(counts, batch, costs)
                 + drafting
             )
-            misses.append((s.decode_time - modelled) / s.decode_time)
+            misses.append((s.decode_time - modelled) / modelled)
         del spec_engine
-    return math.sqrt(sum(m * m for m in misses) / len(misses)) if misses else 0.0
+    if not misses:
+        return 0.0, 0.0
+    bias = sum(misses) / len(misses)
+    return bias, math.sqrt(sum((m - bias) ** 2 for m in misses) / len(misses))
 
 
 def fit_overhead(requests: list[tuple[float, float, int, int]], prefill_scale: float):
@@ -483,7 +495,7 @@ def fit_overhead(requests: list[tuple[float, float, int, int]], prefill_scale: f
     fitted = StepOverhead(my - slope * mx, slope, prefill_scale)
     misses = [(m - (mod + n * fitted.at(d / n))) / m for m, mod, n, d in requests if m > 0 and n]
     error = math.sqrt(sum(x * x for x in misses) / len(misses)) if misses else 0.0
-    return StepOverhead(fitted.base, fitted.per_draft_token, prefill_scale, error)
+    return StepOverhead(fitted.base, fitted.per_draft_token, prefill_scale, error, requests=max(len(misses), 1))
 
 
 class _Quiet:
@@ -570,8 +582,8 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: s
         f"PREDICTED from the baseline of {measured.path} ({n_base} records): {drafter}, acceptance replayed from "
         "the baseline's outputs, pass costs "
         f"measured on {costs.cpu} ({costs.kernels})",
-        f"every interval carries the time model's error on real speculative requests, per request (RMS; over a "
-        f"cell's n requests ÷ √n): {error}",
+        f"every interval carries the time model's error on real speculative requests (per request, RMS; the fit's "
+        f"own over √ its requests, the cell's over √n): {error}",
         *(
             [f"{open_steps} steps drafted past an output's end (EOS, a stop string): acceptance there is a lower bound"]
             if open_steps

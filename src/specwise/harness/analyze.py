@@ -102,10 +102,10 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
     )
 
 
-def analyze(run: Run, model_error: Callable[[float], float] | None = None) -> Analysis:
+def analyze(run: Run, model_error: Callable[[float, int], float] | None = None) -> Analysis:
     """Every table the report shows, and a verdict per speculative configuration. `model_error`: a predicted run's
-    relative time-model error per request at a load's value, added to every speedup interval (divided by √n: a cell
-    sums n requests' times) before any cell is judged."""
+    relative time-model error for a cell (its load's value, its n requests), added to every speedup interval before
+    any cell is judged."""
     plan = run.plan
     configs = [c.name for c in plan.configs]
     baseline, specs = configs[0], configs[1:]
@@ -158,8 +158,8 @@ def analyze(run: Run, model_error: Callable[[float], float] | None = None) -> An
                 )
                 if comp is None:
                     continue
-                if model_error is not None:  # a request's miss, averaged over the cell's requests
-                    cell_error = model_error(load.value) / math.sqrt(max(comp.e2e_speedup.n, 1))
+                if model_error is not None:
+                    cell_error = model_error(load.value, comp.e2e_speedup.n)
                     comp.e2e_speedup = comp.e2e_speedup.widened(cell_error)
                     if comp.decode_speedup is not None:
                         comp.decode_speedup = comp.decode_speedup.widened(cell_error)

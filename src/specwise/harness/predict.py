@@ -36,7 +36,7 @@ from specwise.harness.store import Record
 from specwise.speccounts import SpecCounts
 
 COSTS_FORMAT = "specwise-pass-costs/1"
-OVERHEAD_FORMAT = "specwise-step-overhead/3"  # /3: the probe's errors alone and batched (an older file: probed again)
+OVERHEAD_FORMAT = "specwise-step-overhead/4"  # /4: the batched probe's bias (an older file is probed again)
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,24 @@ class StepOverhead:
     error: float = 0.0  # the time model's relative error on the probe's requests (RMS): every interval carries it
     batch: int = 1  # the concurrency the probe also ran its requests at, together (1: only one at a time)
     batch_error: float = 0.0  # … and the model's relative error there, which cells above concurrency 1 carry
+    requests: int = 1  # how many requests the fit saw (its own error is a request's over the square root of this)
+    batch_bias: float = 0.0  # the model's mean relative miss (signed) on the batched probe: decode above c=1 corrected
+
+    def correction(self, concurrency: float) -> float:
+        """What a predicted decode at this concurrency is multiplied by: the batched probe's mean miss, in full at
+        its concurrency and beyond, in proportion between one and it."""
+        if concurrency <= 1 or self.batch <= 1:
+            return 1.0
+        return 1.0 + self.batch_bias * min(1.0, (concurrency - 1) / (self.batch - 1))
 
     def at(self, drafted: float) -> float:
         return max(0.0, self.base + self.per_draft_token * drafted)
 
-    def error_at(self, concurrency: float) -> float:
-        """The relative error per request a cell at this concurrency carries."""
-        return self.error if concurrency <= 1 or self.batch <= 1 else max(self.error, self.batch_error)
+    def cell_error(self, concurrency: float, n: int) -> float:
+        """The relative error a predicted cell of n requests at this concurrency carries: the fit's own (a request's
+        miss over √requests: it moves every cell alike) and the requests' (over √n: they average out)."""
+        e = self.error if concurrency <= 1 or self.batch <= 1 else max(self.error, self.batch_error)
+        return math.sqrt(e * e / max(self.requests, 1) + e * e / max(n, 1))
 
     def to_json(self) -> dict:
         return {
@@ -185,6 +196,8 @@ class StepOverhead:
             "error": self.error,
             "batch": self.batch,
             "batch_error": self.batch_error,
+            "requests": self.requests,
+            "batch_bias": self.batch_bias,
         }
 
     @classmethod
@@ -200,11 +213,14 @@ class StepOverhead:
         errors = (doc.get("error", 0.0), doc.get("batch_error", 0.0))
         if not all(isinstance(e, int | float) and math.isfinite(e) and e >= 0 for e in errors):
             raise SpecwiseError(f"{where}: 'error' and 'batch_error' must be numbers ≥ 0 (relative errors)")
-        batch = doc.get("batch", 1)
-        if not isinstance(batch, int) or batch < 1:
-            raise SpecwiseError(f"{where}: 'batch' must be a whole number ≥ 1")
+        batch, requests = doc.get("batch", 1), doc.get("requests", 1)
+        if not all(isinstance(x, int) and x >= 1 for x in (batch, requests)):
+            raise SpecwiseError(f"{where}: 'batch' and 'requests' must be whole numbers ≥ 1")
+        bias = doc.get("batch_bias", 0.0)
+        if not isinstance(bias, int | float) or not math.isfinite(bias) or not -1 < bias < 10:
+            raise SpecwiseError(f"{where}: 'batch_bias' must be a relative miss above -1")
         base, per = float(values[0]), float(values[1])  # type: ignore[arg-type]
-        return cls(base, per, float(scale), float(errors[0]), batch, float(errors[1]))
+        return cls(base, per, float(scale), float(errors[0]), batch, float(errors[1]), requests, float(bias))
 
 
 def drafted_histogram(counts: SpecCounts) -> dict[int, int]:
@@ -257,7 +273,7 @@ def predicted_record(
         + min(interference, base.decode or 0.0)
         + extra_pass_seconds(counts, c, costs)
         + drafting
-    )
+    ) * overhead.correction(c)
     prefill = (base.prefill or 0.0) * overhead.prefill_scale
     e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) - (base.prefill or 0.0) + prefill + decode
     return dataclasses.replace(
