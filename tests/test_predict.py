@@ -223,27 +223,45 @@ def test_evaluate_predict_first_runs_only_what_is_not_predicted_to_lose(tmp_path
     assert 'data-table="predicted"' in html and "layerskip:1 k=2: not run" in html
 
 
-def test_predict_from_a_served_request_log(tmp_path):
-    """`serve --log --log-text` keeps each output's token ids beside its text; `predict --log` turns the requests
-    served plainly into a baseline run (each at the load it met) and predicts from it. A log without text, or whose
-    requests were all speculative, is refused naming why, nothing written."""
+LOG_PROMPTS = [PROMPTS[i % 3] + f" ({i})" for i in range(6)]
+
+
+def _serve_and_log(log, *flags: str, together: bool = True) -> None:
+    """Send LOG_PROMPTS to `specwise serve --log LOG --log-text FLAGS` as chat requests: four one at a time (load 1),
+    then two together (load 2, or 1 for the one that ends first) unless `together` is False."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from test_server import serve_process
 
-    log = tmp_path / "requests.db"
-    prompts = [PROMPTS[i % 3] + f" ({i})" for i in range(6)]
-    with serve_process("--log", log, "--log-text", "--served-model-name", "m") as url:
+    with serve_process("--log", log, "--log-text", "--served-model-name", "m", *flags) as url:
 
         def ask(p: str) -> None:
-            body = {"model": "m", "messages": [{"role": "user", "content": p}], "max_tokens": 24}
+            body = {"model": "m", "messages": [{"role": "user", "content": p}], "max_tokens": 24, "temperature": 0}
             assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
 
-        for p in prompts[:4]:
-            ask(p)  # one at a time: load 1
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(ask, prompts[4:]))  # two together: load 2 (or 1, for the one that ends first)
+        for p in LOG_PROMPTS[:4] if together else LOG_PROMPTS:
+            ask(p)
+        if together:
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(ask, LOG_PROMPTS[4:]))
+
+
+@pytest.fixture(scope="module")
+def served_log(tmp_path_factory):
+    """A request log of six chat requests the server decoded plainly, with their text and token ids."""
+    log = tmp_path_factory.mktemp("served") / "requests.db"
+    _serve_and_log(log)
+    return log
+
+
+def test_predict_from_a_served_request_log(served_log, tmp_path):
+    """`serve --log --log-text` keeps each output's token ids beside its text; `predict --log` turns the requests
+    served plainly into a baseline run (each at the load it met) and predicts from it. A log without text, or whose
+    requests were all speculative, is refused naming why, nothing written."""
+    log = tmp_path / "requests.db"
+    with sqlite3.connect(served_log) as src, sqlite3.connect(log) as dst:
+        src.backup(dst)  # with what the write-ahead log still holds
     out = tmp_path / "pred"
     proc = cli("predict", "--log", log, "--drafter", "ngram", "--k", "1,4", "--out", out, "--json", tmp_path / "p.json")
     assert "6 of 6 logged requests served plainly" in proc.stderr
@@ -262,6 +280,36 @@ def test_predict_from_a_served_request_log(tmp_path):
                         [(json.dumps(t), i + 1) for i, t in enumerate(tokens)])  # fmt: skip
     bad = cli("predict", "--log", log, "--drafter", "ngram", "--out", tmp_path / "none", check=False)
     assert bad.returncode == 2 and "served with speculation" in bad.stderr
+
+
+def _now_column(stdout: str, metric: str) -> str:
+    """The monitor table's 'now' column for `metric`."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith(metric + " "))
+    return line[len(metric) :].split()[1]
+
+
+def test_monitor_predict_replays_plainly_served_traffic_into_the_tests_and_predicts_its_speedup(
+    baseline_run, served_log, tmp_path
+):
+    """`monitor --predict` on a window the server decoded plainly: the evaluated drafter (ngram k=1) is replayed over
+    the logged outputs, and the acceptance the table then tests is the one a server speculating with ngram k=1
+    logs for the same requests; the speedup the traffic predicts is set beside the evaluation's per load."""
+    plain = cli("monitor", "--baseline", baseline_run, "--log", served_log, "--window", "all", check=False)
+    assert _now_column(plain.stdout, "acceptance rate") == "-"  # nothing speculated: nothing to test
+    proc = cli("monitor", "--baseline", baseline_run, "--log", served_log, "--window", "all", "--predict", check=False)
+    assert proc.returncode in (0, 1), proc.stderr
+    out = proc.stdout
+    assert "replayed: 6 plainly decoded requests of the window through ngram k=1" in out
+    assert "predicted E2E speedup at concurrent@1 (replayed)" in out and "PREDICTED VERDICT for this traffic" in out
+    spec_log = tmp_path / "spec.db"
+    _serve_and_log(spec_log, "--drafter", "ngram", "--k", "1", together=False)
+    with sqlite3.connect(spec_log) as con:
+        counts = [(d, a) for d, a in con.execute("SELECT drafted, accepted FROM log") if d]
+    assert len(counts) == 6
+    logged = sum(a / d for d, a in counts) / len(counts)
+    assert _now_column(out, "acceptance rate") == f"{logged:.2f}"
+    watch = cli("monitor", "--baseline", baseline_run, "--log", served_log, "--predict", "--watch", check=False)
+    assert watch.returncode == 2 and "run it alone" in watch.stderr
 
 
 def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_drafts_free():

@@ -22,6 +22,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--alpha", type=float, default=0.01, help="false-alarm level of the distribution tests (default 0.01)"
     )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="replay the window's plainly decoded requests (served with --log-text) through the evaluated drafter: "
+        "their acceptance joins the tests and the speedup the traffic predicts is set beside the evaluation's "
+        "(loads the target; pass costs measured once per machine)",
+    )
     p.add_argument("--watch", action="store_true", help="refresh the table in the terminal until interrupted")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=run)
@@ -33,7 +40,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.interval <= 0:
         raise SpecwiseError(f"--interval {args.interval} is not allowed: give seconds > 0")
-    rows, table = check(args.baseline, args.log, args.window, args.alpha)
+    if args.predict and args.watch:
+        raise SpecwiseError("--predict and --watch: a prediction loads the model and replays the window; run it alone")
+    replay = None
+    if args.predict:
+        from specwise.cli.monitor_predict import predict_window
+
+        replay = predict_window
+    rows, table = check(args.baseline, args.log, args.window, args.alpha, replay=replay)
     if not args.watch:
         print(table)
         return status(rows)

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_run:
         run_path = Path(args.from_run)
     elif args.log:
-        run_path = run_from_log(Path(args.log), target_options(args), Path(args.out))
+        run_path, _ = run_from_log(Path(args.log), target_options(args), Path(args.out))
     else:
         if args.tasks < 0:
             raise SpecwiseError(f"--tasks {args.tasks} is not allowed: give 0 (all) or a positive number")
@@ -164,10 +164,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_from_log(log: Path, target: TargetOptions, out: Path) -> Path:
+def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | None = None) -> tuple[Path, list]:
     """A served request log as a baseline run in out/run.db (its prompts as out/log-workload.jsonl): the requests the
     server decoded plainly for this target, with their text and token ids (`serve --log-text`), each at the load it
-    met (running + waiting requests, itself included) as a closed-loop load. Written afresh on every call."""
+    met (running + waiting requests, itself included) as a closed-loop load. Written afresh on every call. `entries`:
+    the log's entries already read (a window of it); returned: the run's path and the entries it holds, task
+    log-00000 first."""
     from specwise import __version__
     from specwise.engine import load_target
     from specwise.harness.config import Config
@@ -179,11 +181,12 @@ def run_from_log(log: Path, target: TargetOptions, out: Path) -> Path:
     from specwise.harness.workload import load_workload
     from specwise.monitor.requestlog import RequestLog
 
-    reader = RequestLog(str(log), mode="r")
-    try:
-        entries = reader.entries()
-    finally:
-        reader.close()
+    if entries is None:
+        reader = RequestLog(str(log), mode="r")
+        try:
+            entries = reader.entries()
+        finally:
+            reader.close()
     loaded = load_target(target)
     sha = loaded.identity.sha256
     texts = [e for e in entries if e.prompt is not None and e.tokens is not None]
@@ -242,7 +245,7 @@ def run_from_log(log: Path, target: TargetOptions, out: Path) -> Path:
         "be this one)",
         file=sys.stderr,
     )
-    return run_path
+    return run_path, plain
 
 
 @dataclass(frozen=True)

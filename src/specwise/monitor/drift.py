@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -340,12 +341,15 @@ def format_table(
     log: str | None = None,
     has_text: bool = False,
     background: list[tuple[float, dict]] | None = None,
+    notes: list[str] | None = None,
 ) -> str:
+    """The table, its notes (`monitor --predict`'s lines), the overall verdict and what to do about it."""
     head = f"baseline {base.path} ({base.config}) vs {n} logged requests, window {window}"
     w = max(len(r.metric) for r in rows)
     lines = [head, f"{'metric':<{w}}  {'baseline':>14}  {'now':>14}  {'change':>8}  verdict"]
     for r in rows:
         lines.append(f"{r.metric:<{w}}  {r.baseline:>14}  {r.now:>14}  {r.change:>8}  {r.verdict:<8} {r.detail}")
+    lines += notes or []
     worst = (
         INVALID
         if any(r.verdict == INVALID for r in rows)
@@ -375,10 +379,21 @@ def status(rows: list[Row]) -> int:
     return 1 if any(r.verdict != OK for r in rows) else 0
 
 
+# The window's entries with replayed acceptance where the server decoded plainly, rows to add to the table and lines
+# to print under it (`cli.monitor_predict`: it loads the model, which this layer does not).
+Replayed = tuple[list[LogEntry], list[Row], list[str]]
+
+
 def check(
-    baseline: str, log: str, window: str = "1h", alpha: float = 0.01, until: float | None = None
+    baseline: str,
+    log: str,
+    window: str = "1h",
+    alpha: float = 0.01,
+    until: float | None = None,
+    replay: Callable[[Baseline, str, list[LogEntry]], Replayed] | None = None,
 ) -> tuple[list[Row], str]:
-    """One comparison of the log's window with the baseline: rows and the printed table."""
+    """One comparison of the log's window with the baseline: rows and the printed table; `replay` (monitor
+    --predict) puts replayed acceptance in the tests and predicted speedups in the table."""
     seconds = parse_window(window)
     if not 0 < alpha < 1:
         raise SpecwiseError(f"--alpha {alpha} is not allowed: give a level between 0 and 1 (e.g. 0.01)")
@@ -395,6 +410,10 @@ def check(
     base = load_baseline(baseline, drafter)
     if not entries:
         raise SpecwiseError(f"the window (last {window}) holds no requests: widen --window, or send traffic first")
-    rows = compare(base, entries, alpha)
+    extra: list[Row] = []
+    lines: list[str] = []
+    if replay is not None:
+        entries, extra, lines = replay(base, log, entries)
+    rows = compare(base, entries, alpha) + extra
     has_text = any(e.prompt for e in entries)
-    return rows, format_table(rows, base, len(entries), window, log, has_text, background)
+    return rows, format_table(rows, base, len(entries), window, log, has_text, background, lines)
