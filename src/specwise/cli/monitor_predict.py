@@ -1,11 +1,11 @@
 """`specwise monitor --predict`: replayed acceptance as the drift monitor's input, and the speedup it predicts.
 
 The window's requests that the server decoded plainly (served with `--log-text`, so their token ids are logged)
-become a baseline run (`predict.run_from_log`) and are replayed through the evaluated configuration's drafter at its
-k (`predict.predict`): exactly the acceptance a speculative server would have logged for them at temperature 0. That
-acceptance replaces their empty counts in the monitor's distribution tests, and the time model turns it into the
-E2E speedup the current traffic predicts per load, set beside the speedup the evaluation measured at that load
-(groups pooled on both sides: the log knows no workload groups). Requests the server decoded speculatively keep
+become a baseline run in one group (`predict.run_from_log`) and are replayed through the evaluated configuration's
+drafter at its k (`predict.predict`): exactly the acceptance a speculative server would have logged for them at
+temperature 0. That acceptance replaces their empty counts in the monitor's distribution tests, and the time model
+turns it into the E2E speedup the current traffic predicts per load, set beside the speedup the evaluation measured
+at that load (its groups pooled: the log knows no workload groups). Requests the server decoded speculatively keep
 their own counts. This loads the target and measures pass costs (once per machine), so it is asked for, not default.
 """
 
@@ -24,7 +24,7 @@ AUTO_KS = [1, 2, 4, 8]  # an evaluated k=auto is predicted at these fixed k and 
 
 
 def pooled(run: Any) -> Any:
-    """`run` with every record in one group, analysed afresh (per-load figures over all its requests)."""
+    """`run` (harness.results.Run) with every record in one group, to be analysed: per-load figures over all of it."""
     records = [dataclasses.replace(r, groups=["all"]) for r in run.records]
     return dataclasses.replace(run, records=records, analysis=None)
 
@@ -33,11 +33,13 @@ def predict_window(base: Baseline, log: str, entries: list[LogEntry]) -> Replaye
     """The window's entries with replayed counts where the server decoded them plainly, the predicted-speedup rows for
     the monitor's table, and the lines printed under it (`drift.check`'s `replay`)."""
     from specwise.cli.predict import PredictSetup, check_predictable, predict, run_from_log
-    from specwise.harness.analyze import analyze, load_run
+    from specwise.engine import load_target
+    from specwise.harness.analyze import analyze
     from specwise.harness.predict import config_name
+    from specwise.harness.results import read_run
     from specwise.specs import TargetOptions
 
-    evaluation = load_run(base.path)
+    evaluation = read_run(base.path)
     config = next(c for c in evaluation.plan.configs if c.name == base.config)
     drafter = config.drafter or ""
     fixed = config.k if isinstance(config.k, int) else None
@@ -46,49 +48,44 @@ def predict_window(base: Baseline, log: str, entries: list[LogEntry]) -> Replaye
         check_predictable(drafter, ks, evaluation.plan.temperature > 0)
     except SpecwiseError as exc:
         return entries, [], [f"no prediction for {base.config}: {exc}"]
+    loaded = load_target(TargetOptions(evaluation.plan.model))  # once, for the log's run and the replay
     with tempfile.TemporaryDirectory(prefix="specwise-monitor-") as tmp:
         try:
-            run_path, plain = run_from_log(Path(log), TargetOptions(evaluation.plan.model), Path(tmp) / "w", entries)
+            run_path, tasks = run_from_log(Path(log), loaded, Path(tmp) / "w", entries, group="all")
         except SpecwiseError as exc:
             return entries, [], [f"no prediction: {exc}"]
-        p = predict(run_path, drafter, ks, PredictSetup(model=evaluation.plan.model))
-    p.predicted.analysis = analyze(pooled(p.predicted), model_error=p.overhead.cell_error)
-    measured = analyze(pooled(evaluation))
-    replaced = list(entries)
-    if fixed is not None:  # each plainly decoded request gets the counts a server speculating at k would have logged
+        p = predict(run_path, drafter, ks, PredictSetup(model=evaluation.plan.model, loaded=loaded))
+    evaluated = {c.load: c.e2e_speedup for c in analyze(pooled(evaluation)).comparisons if c.config == base.config}
+    replayed = {}  # id(entry) → the counts a server speculating at the evaluated k would have logged for it
+    if fixed is not None:
         name = config_name(p.drafter, fixed)
-        counts = {  # the drafting share as predicted: the rest of the predicted decode verifies
-            int(r.task_id.removeprefix("log-")): dataclasses.replace(
-                r.spec, verification_time=max((r.decode or 0.0) - r.spec.drafting_time, 0.0)
-            )
-            for r in p.predicted.records
-            if r.config == name and r.spec is not None
-        }
-        where = {id(e): i for i, e in enumerate(entries)}
-        for i, e in enumerate(plain):
-            if i in counts and id(e) in where:
-                replaced[where[id(e)]] = dataclasses.replace(e, spec=counts[i], speculative=True)
+        for r in p.predicted.records:
+            if r.config == name and r.spec is not None:  # the drafting share as predicted: the rest verifies
+                spec = dataclasses.replace(r.spec, verification_time=max((r.decode or 0.0) - r.spec.drafting_time, 0))
+                replayed[id(tasks[r.task_id])] = spec
+    replaced = [
+        dataclasses.replace(e, spec=replayed[id(e)], speculative=True) if id(e) in replayed else e for e in entries
+    ]
     how = (
         f"k={fixed} (their acceptance is in the table above)"
         if fixed is not None
         else f"k in {AUTO_KS} (the evaluation ran k=auto: no acceptance replayed into the table; the best k per load)"
     )
     lines = [
-        f"replayed: {len(plain)} plainly decoded requests of the window through {drafter} {how}; pass costs of "
+        f"replayed: {len(tasks)} plainly decoded requests of the window through {drafter} {how}; pass costs of "
         f"{p.costs.cpu} ({p.costs.kernels})"
     ]
     rows = []
-    evaluated = {(c.load, c.config): c.e2e_speedup for c in measured.comparisons if c.config == base.config}
-    best: dict[str, Any] = {}
+    k_of = {c.name: c.k for c in p.predicted.plan.configs[1:]}
+    best: dict[str, Any] = {}  # load → the predicted comparison of the k that does best there
     for c in p.predicted.analysed.comparisons:
-        if c.load not in best or c.e2e_speedup.value > best[c.load][1].value:
-            best[c.load] = (c.config, c.e2e_speedup)
+        if c.load not in best or c.e2e_speedup.value > best[c.load].e2e_speedup.value:
+            best[c.load] = c
     order = {ld.name: ld.value for ld in p.predicted.plan.loads}
-    for load, (cfg, e) in sorted(best.items(), key=lambda kv: order[kv[0]]):
-        then = evaluated.get((load, base.config))
-        k = next(c.k for c in p.predicted.plan.configs if c.name == cfg)
+    for load, c in sorted(best.items(), key=lambda kv: order[kv[0]]):
+        e, then = c.e2e_speedup, evaluated.get(load)
         lines.append(
-            f"  {load}: predicted E2E {e.value:.2f}x [{e.lo:.2f}–{e.hi:.2f}] at k={k} over {e.n} requests"
+            f"  {load}: predicted E2E {e.value:.2f}x [{e.lo:.2f}–{e.hi:.2f}] at k={k_of[c.config]} over {e.n} requests"
             + (f"; the evaluation measured {then.value:.2f}x [{then.lo:.2f}–{then.hi:.2f}]" if then else
                "; the evaluation did not measure this load")
         )  # fmt: skip
@@ -106,7 +103,6 @@ def predict_window(base: Baseline, log: str, entries: list[LogEntry]) -> Replaye
                 "the evaluation's",
             )
         )
-    k_of = {c.name: c.k for c in p.predicted.plan.configs[1:]}
     for cfg, by_kind in p.predicted.analysed.verdicts.items():
         for v in by_kind.values():
             lines.append(f"  PREDICTED VERDICT for this traffic, {drafter} k={k_of[cfg]}: {v.headline('concurrency')}")

@@ -81,6 +81,7 @@ class PredictSetup:
     activations: str = "auto"
     workload: str | None = None
     costs: str | None = None
+    loaded: Any = None  # the target already loaded as these options say (engine.LoadedModel): not loaded again
 
 
 @dataclass
@@ -140,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
     if args.from_run:
         run_path = Path(args.from_run)
     elif args.log:
-        run_path, _ = run_from_log(Path(args.log), target_options(args), Path(args.out))
+        from specwise.engine import load_target
+
+        setup = dataclasses.replace(setup, loaded=load_target(target_options(args)))
+        run_path, _ = run_from_log(Path(args.log), setup.loaded, Path(args.out))
     else:
         if args.tasks < 0:
             raise SpecwiseError(f"--tasks {args.tasks} is not allowed: give 0 (all) or a positive number")
@@ -164,14 +168,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | None = None) -> tuple[Path, list]:
+def run_from_log(
+    log: Path, loaded: Any, out: Path, entries: list | None = None, group: str | None = None
+) -> tuple[Path, dict]:
     """A served request log as a baseline run in out/run.db (its prompts as out/log-workload.jsonl): the requests the
-    server decoded plainly for this target, with their text and token ids (`serve --log-text`), each at the load it
-    met (running + waiting requests, itself included) as a closed-loop load. Written afresh on every call. `entries`:
-    the log's entries already read (a window of it); returned: the run's path and the entries it holds, task
-    log-00000 first."""
+    server decoded plainly for the `loaded` target (engine.LoadedModel), with their text and token ids (`serve
+    --log-text`), each at the load it met (running + waiting requests, itself included) as a closed-loop load, in
+    the group `group` (default: chat or completion, as each was asked). Written afresh on every call. `entries`: the
+    log's entries already read (a window of it). Returned: the run's path and its task ids → the entries they are."""
     from specwise import __version__
-    from specwise.engine import load_target
     from specwise.harness.config import Config
     from specwise.harness.evaluate import check_output_dir
     from specwise.harness.facts import hardware
@@ -187,7 +192,6 @@ def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | No
             entries = reader.entries()
         finally:
             reader.close()
-    loaded = load_target(target)
     sha = loaded.identity.sha256
     texts = [e for e in entries if e.prompt is not None and e.tokens is not None]
     mine = [e for e in texts if (e.target or {}).get("sha256") == sha]
@@ -204,19 +208,20 @@ def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | No
         )
         raise SpecwiseError(f"--log {log}: {why}")
     check_output_dir(out)
-    lines, records = [], []
+    lines, records, tasks = [], [], {}
     for i, e in enumerate(plain):
         task_id = f"log-{i:05d}"
-        group = "chat" if e.chat else "completion"
+        tasks[task_id] = e
+        groups = [group or ("chat" if e.chat else "completion")]
         # the request's own limit is not logged: an output that stopped on it is its limit; else the engine could
         # have gone on, and drafts near the end are bounded by the cache, as the server's were
         limit = e.output_tokens if e.finish_reason == "length" else e.output_tokens + 64
         text = e.prompt or ""
         field = {"messages": json.loads(text)} if e.chat else {"prompt": text}
-        lines.append(json.dumps({"id": task_id, "groups": [group], "max_tokens": limit, **field}))
+        lines.append(json.dumps({"id": task_id, "groups": groups, "max_tokens": limit, **field}))
         submitted = e.time - e.e2e
         record = Record(
-            "baseline", f"concurrent@{e.load}", task_id, 0, [group], 0, submitted, e.time,
+            "baseline", f"concurrent@{e.load}", task_id, 0, groups, 0, submitted, e.time,
             output=e.output or "", prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens,
             finish_reason=e.finish_reason, ttft=e.ttft, e2e=e.e2e, prefill=e.ttft, decode=e.decode_time,
             tokens=list(e.tokens or []),
@@ -225,7 +230,7 @@ def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | No
     path = out / "log-workload.jsonl"
     write_file(path, "\n".join(lines) + "\n")
     loads = [Load("concurrent", n) for n in sorted({e.load for e in plain})]
-    plan = Plan(load_workload(path), [Config("baseline")], loads, model=target.model)
+    plan = Plan(load_workload(path), [Config("baseline")], loads, model=str(loaded.source))
     run_path = out / "run.db"
     for stale in (run_path, Path(f"{run_path}-wal"), Path(f"{run_path}-shm")):
         stale.unlink(missing_ok=True)
@@ -245,7 +250,7 @@ def run_from_log(log: Path, target: TargetOptions, out: Path, entries: list | No
         "be this one)",
         file=sys.stderr,
     )
-    return run_path, plain
+    return run_path, tasks
 
 
 @dataclass(frozen=True)
@@ -317,7 +322,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
 
     plan = measured.plan
     options = TargetOptions(setup.model or plan.model, "cpu", setup.dtype, setup.quantize, setup.activations)
-    target = load_target(options)
+    target = setup.loaded or load_target(options)
     differs = measured.provenance.served_target.difference(Target.read(target.identity.to_dict()))
     if differs:
         raise SpecwiseError(
