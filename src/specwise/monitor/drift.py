@@ -336,15 +336,15 @@ def background_lines(samples: list[tuple[float, dict]], base: Baseline, threshol
 def format_table(
     rows: list[Row],
     base: Baseline,
-    n: int,
+    entries: list[LogEntry],
     window: str,
     log: str | None = None,
-    has_text: bool = False,
     background: list[tuple[float, dict]] | None = None,
     notes: list[str] | None = None,
 ) -> str:
-    """The table, its notes (`monitor --predict`'s lines), the overall verdict and what to do about it."""
-    head = f"baseline {base.path} ({base.config}) vs {n} logged requests, window {window}"
+    """The table over the window's `entries`, its notes (`monitor --predict`'s lines), the overall verdict and what
+    to do about it."""
+    head = f"baseline {base.path} ({base.config}) vs {len(entries)} logged requests, window {window}"
     w = max(len(r.metric) for r in rows)
     lines = [head, f"{'metric':<{w}}  {'baseline':>14}  {'now':>14}  {'change':>8}  verdict"]
     for r in rows:
@@ -368,7 +368,7 @@ def format_table(
     if worst != OK and busy_window:
         lines[-1] += " (the alarm fell in a busy period on this machine: latency and load figures may reflect it)"
     lines += context
-    hint = retrain_hint(rows, log, has_text) if log else None
+    hint = retrain_hint(rows, log, any(e.prompt for e in entries)) if log else None
     if hint:
         lines.append(hint)
     return "\n".join(lines)
@@ -415,5 +415,4 @@ def check(
     if replay is not None:
         entries, extra, lines = replay(base, log, entries)
     rows = compare(base, entries, alpha) + extra
-    has_text = any(e.prompt for e in entries)
-    return rows, format_table(rows, base, len(entries), window, log, has_text, background, lines)
+    return rows, format_table(rows, base, entries, window, log, background, lines)
