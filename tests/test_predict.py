@@ -14,6 +14,7 @@ from test_evaluate import cli
 from specwise.engine import Engine, SamplingParams
 from specwise.engine.drafters import make_drafter
 from specwise.engine.replay import DraftRule, replay
+from specwise.engine.weights import embedded_model_path
 from specwise.errors import SpecwiseError
 from specwise.harness.predict import PassCosts
 
@@ -37,11 +38,17 @@ def _replayed(target, spec: str, k: int, prompts_ids, outputs, params, cache_len
     ]
 
 
+def _drafter(spec: str) -> str:
+    """'model@IDS': the embedded model drafting for itself over a reduced vocabulary (its prompt's ids admitted)."""
+    return f"model:{embedded_model_path()}@{spec.split('@')[1]}" if spec.startswith("model@") else spec
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
-@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip:20"])
+@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip:20", "model@1024"])
 def test_replayed_acceptance_equals_the_speculative_runs_own_counts_alone(embedded, spec, k):
     """One request at a time (concurrency 1): every drafter, the suffix drafter's history included (each request's
     output joins it as the run's did, in order)."""
+    spec = _drafter(spec)
     params = SamplingParams(max_new_tokens=MAX_NEW)
     plain = Engine(embedded, max_batch=1)
     outputs = [plain.generate(p, params)[0].token_ids for p in PROMPTS]
@@ -155,12 +162,13 @@ def test_pass_costs_interpolate_and_never_fall_with_more_rows():
     assert dataclasses.replace(costs, seconds={1: 2.0}).at(5) == 2.0
 
 
-@pytest.mark.parametrize("spec", ["layerskip:20", "int8"])
+@pytest.mark.parametrize("spec", ["layerskip:20", "int8", "model@1024"])
 def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_does(embedded, spec):
     """The draft model's guesses after every prefix of the output (one pass) give the same counts as asking it to
     draft at every step, for every k — on row-invariant kernels the guesses are the tokens it would draft."""
     from specwise.engine.replay import can_guess, greedy_guesses, replay_guesses
 
+    spec = _drafter(spec)
     params = SamplingParams(max_new_tokens=MAX_NEW)
     plain = Engine(embedded, max_batch=1)
     drafter = make_drafter(spec, embedded, 1, plain.cache_len)

@@ -3,7 +3,7 @@
 import pytest
 
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, check_drafter_spec, parse_k
+from specwise.specs import K_MAX, check_drafter_spec, parse_k, split_draft_vocab
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), (1, 1), ("7", 7), (K_MAX, K_MAX)])
@@ -18,9 +18,19 @@ def test_parse_k_refuses_with_the_allowed_range(value):
     assert e.value.param == "k"
 
 
-@pytest.mark.parametrize("spec", ["ngram", "ngram:2", "model:/some/path", "int8", "layerskip:0-29/2"])
+@pytest.mark.parametrize(
+    "spec",
+    ["ngram", "ngram:2", "model:/a/path", "model:/p@32768", "model:/p@full", "model:/v@2/m", "int8", "layerskip:0-2"],
+)
 def test_drafter_grammar_accepts(spec):
     assert check_drafter_spec(spec) == spec
+
+
+def test_a_draft_models_vocabulary_is_split_from_its_path():
+    assert split_draft_vocab("/m/qwen@32768") == ("/m/qwen", 32768)
+    assert split_draft_vocab("qwen@full") == ("qwen", 0)
+    assert split_draft_vocab("/v@2/model") == ("/v@2/model", None)  # an '@' inside the path stays the path's
+    assert split_draft_vocab("qwen") == ("qwen", None)
 
 
 @pytest.mark.parametrize(
@@ -31,6 +41,8 @@ def test_drafter_grammar_accepts(spec):
         ("ngram:x", "whole number"),
         ("ngram:0", "whole number"),
         ("model:", "needs a path"),
+        ("model:/p@16", "32 or more ids, or @full"),
+        ("model:/p@0", "32 or more ids, or @full"),
         ("int8:4", "no argument"),
         ("layerskip:", "layer spec"),
         (3, "unknown drafter 3"),

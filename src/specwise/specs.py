@@ -2,7 +2,8 @@
 kept in one torch-free place so each rule is stated once.
 
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
-- drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH``, ``int8``, ``layerskip:SPEC``
+- drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH`` / ``model:PATH@IDS`` /
+  ``model:PATH@full``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES), ``--quantize`` (QUANTIZE) and ``--activations`` (ACTIVATIONS)
 - what a target is loaded as (model, device, precision): TargetOptions
 - a draft head's training (`specwise train-draft`): TrainOptions
@@ -41,9 +42,24 @@ VERIFY_HELP = (
     "plain decoding's token for token, whatever the drafter or k) or rejection (classic speculative sampling)"
 )
 DRAFTER_HELP = (
-    "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH, eagle:PATH, int8, layerskip:SPEC (e.g. layerskip:12, "
-    "layerskip:0-29/2)"
+    "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH (model:PATH@IDS: the draft scores the first IDS token ids, "
+    "its specials and the prompt's; model:PATH@full: every id), eagle:PATH, int8, layerskip:SPEC (e.g. "
+    "layerskip:12, layerskip:0-29/2)"
 )
+
+
+def _draft_vocab_ok(arg: str) -> bool:
+    size = split_draft_vocab(arg)[1]
+    return size is None or (size == 0 and arg.endswith("@full")) or size >= 32
+
+
+def split_draft_vocab(arg: str) -> tuple[str, int | None]:
+    """A model: drafter's argument → (path, draft vocabulary): 'PATH@32768' → 32768, 'PATH@full' → 0 (every id),
+    'PATH' → None (the default for its vocabulary). An '@' followed by anything else belongs to the path."""
+    path, sep, tail = arg.rpartition("@")
+    if sep and path.strip() and (tail.isdigit() or tail == "full"):
+        return path, 0 if tail == "full" else int(tail)
+    return arg, None
 
 
 def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
@@ -75,7 +91,8 @@ def check_drafter_spec(spec: object) -> str:
     ok = (
         (kind == "suffix" and (not sep or arg.isdigit()))
         or (kind == "ngram" and (not sep or (arg.isdigit() and int(arg) >= 1)))
-        or (kind in ("model", "eagle") and bool(arg.strip()))
+        or (kind == "model" and bool(arg.strip()) and _draft_vocab_ok(arg))
+        or (kind == "eagle" and bool(arg.strip()))
         or (kind == "int8" and not sep)
         or (kind == "layerskip" and bool(arg.strip()))
     )
@@ -83,7 +100,7 @@ def check_drafter_spec(spec: object) -> str:
         hint = {
             "ngram": "ngram:N takes a whole number N ≥ 1",
             "suffix": "suffix:TOKENS takes the shared history's size in tokens, a whole number (0: no history)",
-            "model": "model:PATH needs a path",
+            "model": "model:PATH needs a path; model:PATH@IDS a whole number of 32 or more ids, or @full",
             "eagle": "eagle:PATH needs the directory of a trained head (specwise train-draft --out)",
             "int8": "int8 takes no argument",
             "layerskip": "layerskip:SPEC needs a layer spec",

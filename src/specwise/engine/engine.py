@@ -24,6 +24,7 @@ import torch
 
 from specwise.engine.cache import output_size
 from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
+from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
@@ -199,7 +200,7 @@ class Engine:
         if getattr(self.drafters[drafter.name], "feature_layers", None):  # it reads the target's hidden states
             self.readers[drafter.name] = self.drafters[drafter.name]
         models = [self.model, *(getattr(d, "model", self.model) for d in self.drafters.values())]
-        self._serial = all(isinstance(m, NativeDecoder) for m in models)  # `_kernels_step`
+        self._serial = all(isinstance(m, (NativeDecoder, DraftVocab)) for m in models)  # `_kernels_step`
         if not self.costs.passes:
             self.calibrate()  # adaptive k (the engine's or a request's) needs verification costs from its first step
         return self.drafters[drafter.name]

@@ -36,7 +36,7 @@ from specwise.errors import SpecwiseError
 from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-ABI = 9
+ABI = 10
 VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
@@ -387,6 +387,7 @@ def library(variant: str | None = None) -> ctypes.CDLL:
         lib.sw_head_scratch_floats.restype = ctypes.c_long
         head, cache = ctypes.POINTER(SwHead), ctypes.POINTER(SwCache)
         lib.sw_head_step.argtypes = [head, cache, ctypes.POINTER(SwPass), _P, _I, _P]
+        lib.sw_rows.argtypes = [ctypes.POINTER(SwLinear), _P, _I, _P]
         lib.sw_stream.argtypes = [_P, ctypes.c_size_t, _I]
         lib.sw_stream.restype = ctypes.c_uint64
         _libs[variant] = lib
@@ -550,6 +551,15 @@ class PackedLinear:
                     raise bad(f"{key!r} is {t.dtype} {tuple(t.shape)}, the kernels read {dtype} {shape}")
             if p.fmt in MINNED and p.d is not None and p.m is not None and p.d.dtype != p.m.dtype:
                 raise bad("scales and mins differ in type")
+
+    def prefix(self, n: int) -> PackedLinear:
+        """This part's first n outputs (whole 32-column blocks) as a layer of one part, viewing its tensors, which
+        all lead with the block: a draft's head over the first ids of the vocabulary, a slice for a test."""
+        if not 1 <= n <= self.n or (n % 32 and n != self.n):
+            raise SpecwiseError(f"a prefix of {n} outputs of a {self.n}-output layer: give whole 32-column blocks")
+        nb = (n + 31) // 32
+        cut = {key: (t[:n] if key == "bias" else t[:nb]) for key, t in self.tensors().items()}
+        return PackedLinear.from_tensors(self.fmt, n, self.k, cut)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """This part's tensors by name (the chain's other parts apart)."""

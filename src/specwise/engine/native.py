@@ -55,6 +55,7 @@ class NativeWeights:
     head: K.PackedLinear  # the same object as embed when the embeddings are tied and kept as is
     norm: torch.Tensor
     layers: list[NativeLayer] = field(default_factory=list)
+    scored: int = 0  # ids the head scores: 0 the vocabulary; n its first n (a draft's, engine/draft_vocab.py)
 
     def linears(self) -> list[K.PackedLinear]:
         """Every packed linear layer the decoder multiplies with (the head included, the embedding table not)."""
@@ -68,7 +69,7 @@ class NativeWeights:
         Q, KV = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if not 1 <= len(self.layers) <= c.num_layers:  # fewer: a layer-skip drafter's subset, on purpose
             raise SpecwiseError(f"packed weights hold {len(self.layers)} layers, the config {c.num_layers}")
-        want = {"embed": (self.embed, V, C), "head": (self.head, V, C)}
+        want = {"embed": (self.embed, V, C), "head": (self.head, self.scored or V, C)}
         for i, L in enumerate(self.layers):
             want[f"layers.{i}.qkv"] = (L.qkv, Q + 2 * KV, C)
             want[f"layers.{i}.o"] = (L.o, C, Q)
@@ -577,7 +578,7 @@ class NativeDecoder:
         rows = (torch.arange(M, dtype=torch.int32) if out_rows is None else out_rows.to(torch.int32)).contiguous()
         if cache.k.dtype != self.kv_dtype or cache.k.shape[0] != self.num_layers:
             raise SpecwiseError("this cache was made for another model or precision")
-        logits = torch.empty(int(rows.shape[0]), self.cfg.vocab_size)
+        logits = torch.empty(int(rows.shape[0]), self.weights.head.outputs)  # the vocabulary, or a draft's prefix
         feat_layers, features = None, None  # a plain pass (every step) allocates nothing for features
         frows = rows if feature_rows is None else feature_rows.to(torch.int32).contiguous()
         if layers:
@@ -637,6 +638,26 @@ class NativeDecoder:
     def on_kernels(self, variant: str) -> NativeDecoder:
         """The same weights and precision on another kernel variant (tests and benchmarks compare them)."""
         return NativeDecoder(self.weights, self.max_len, self.kv_dtype, self.activations, variant)
+
+    def scoring_prefix(self, n: int) -> NativeDecoder:
+        """The same model whose LM head scores only the first n token ids (logits n wide), sharing every weight: a
+        draft's reduced vocabulary (engine/draft_vocab.py)."""
+        return NativeDecoder(
+            replace(self.weights, head=self.weights.head.prefix(n), scored=n), self.max_len, self.kv_dtype,
+            self.activations,
+            self.variant,
+        )  # fmt: skip
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the LM head (its bias apart) as fp32 (len(ids), hidden), read in the head's own format."""
+        ids = ids.to(torch.int64).contiguous()
+        head = self.weights.head
+        n = int(ids.shape[0])
+        out = torch.empty(n, self.cfg.hidden_size)
+        rc = self.lib.sw_rows(ctypes.byref(head.struct(self.activations)), ids.data_ptr(), n, out.data_ptr())
+        if rc:
+            raise SpecwiseError(f"head rows refused ({'an id outside the head' if rc == -3 else 'a head in parts'})")
+        return out
 
     def layer_subset(self, layer_ids: list[int]) -> NativeDecoder:
         """The target run through `layer_ids` only, sharing its weights (layer-skip self-drafting)."""

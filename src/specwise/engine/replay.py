@@ -141,6 +141,7 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
     guesses = [-1]
     prompt_seconds = 0.0
     dev = drafter.device
+    drafter.admit(0, prompt_ids)  # what a speculative run's draft scores for this request
     with torch.inference_mode():
         for start in range(0, len(tokens), CHUNK):
             chunk = tokens[start : start + CHUNK]

@@ -57,6 +57,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def special_ids(self) -> frozenset[int]:
+        """The end-of-sequence ids and every added (special) token's id: what any request may need to end or format."""
+        return self.eos_ids | frozenset(self._tok.get_added_tokens_decoder())
+
     def vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 

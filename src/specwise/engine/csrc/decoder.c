@@ -188,7 +188,9 @@ static int features_valid(const sw_pass* p, int n_layers) {
 /* Every matrix has the shape the model's sizes give (what the buffers are sized by): a last guard behind the
  * Python-side checks of a file's tensors. */
 static int model_agrees(const sw_model* m, const pass_state* s) {
-  if (!heads_agree(s->H, s->Hkv, s->D) || !linear_is(m->embed, m->vocab, s->C) || !linear_is(m->head, m->vocab, s->C))
+  const long scored = m->head ? sw_linear_outputs(m->head) : -1; /* the vocabulary, or a prefix of it (a draft's) */
+  if (!heads_agree(s->H, s->Hkv, s->D) || !linear_is(m->embed, m->vocab, s->C) || scored < 1 || scored > m->vocab ||
+      m->head->k != s->C)
     return 0;
   for (int l = 0; l < m->n_layers; l++) {
     const layer_mats w = model_layer(m->layers + l);
@@ -226,7 +228,7 @@ int sw_forward(const sw_model* m, const sw_cache* cache, const sw_pass* pass) {
     float* sel = s.h; /* n_out ≤ M rows */
     for (int r = 0; r < p.n_out; r++)
       rmsnorm(x + (size_t)p.out_rows[r] * C, 1, C, C, m->norm, s.eps, sel + (size_t)r * C, C);
-    sw_linear_run(m->head, sel, p.n_out, C, p.logits, m->vocab, 0, s.T, s.sc);
+    sw_linear_run(m->head, sel, p.n_out, C, p.logits, (int)sw_linear_outputs(m->head), 0, s.T, s.sc);
   }
   return 0;
 }

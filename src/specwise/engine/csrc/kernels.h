@@ -81,7 +81,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SW_ABI 9
+#define SW_ABI 10
 
 enum { SW_F32 = 0, SW_BF16 = 1, SW_Q8 = 2, SW_Q4 = 3, SW_Q5 = 4, SW_Q6 = 5 };
 enum { SW_SCALES_F32 = 0, SW_SCALES_F16 = 1, SW_SCALES_K = 2, SW_SCALES_K6 = 3 };
@@ -165,7 +165,8 @@ typedef struct {
 int sw_abi(void);
 
 /* One pass of M tokens through a decoder (or a draft head): token i at position pos[i] of cache slot slot[i]. The
- * logits of rows out_rows[0..n_out) go to logits (n_out × vocab; a head writes every row's). With n_feat > 0, the
+ * logits of rows out_rows[0..n_out) go to logits (n_out × the head's outputs: the vocabulary, or its first ids for
+ * a draft that scores a prefix; a head writes every row's). With n_feat > 0, the
  * hidden states of rows feat_rows[0..n_frows) (a set of their own: a prompt's rows need features, not logits)
  * entering layers feat_layers[0..n_feat) (0: the embeddings, n_layers: the last layer's output before the final
  * norm) go to features (n_frows × n_feat × hidden); reading them changes nothing the pass computes. scratch holds
@@ -189,6 +190,9 @@ typedef struct {
 
 /* Floats of scratch sw_forward needs for M tokens. */
 long sw_scratch_floats(const sw_model* m, int M, int capacity, int nthreads);
+/* Rows ids[0..M) of a matrix whose rows are the vocabulary (a head or an embedding table, one part) as fp32, read
+ * in its own format (out: M × L->k). 0, -3 an id outside its rows, -6 a matrix of more than one part. */
+int sw_rows(const sw_linear* L, const int64_t* ids, int M, float* out);
 /* Run a pass through the decoder. 0, or a negative code for an input it refuses: -1 a position outside the cache or
  * the context, -2 a slot outside the cache, -3 a token outside the vocabulary, -4 an output or feature row outside
  * the pass, -5 a cache of another layout, -6 weights whose shapes do not match the sizes, -7 a feature layer outside

@@ -377,6 +377,14 @@ void sw_embed(const sw_linear* E, const int64_t* tokens, int M, float* out, int 
   }
 }
 
+int sw_rows(const sw_linear* L, const int64_t* ids, int M, float* out) {
+  if (!L || L->next || sw_linear_outputs(L) < 1) return -6;
+  for (int i = 0; i < M; i++)
+    if (ids[i] < 0 || ids[i] >= L->n) return -3;
+  sw_embed(L, ids, M, out, L->k);
+  return 0;
+}
+
 /* Reads `bytes` of buf on T threads and returns a checksum (a read-bandwidth probe for the benchmarks). */
 typedef struct {
   const uint64_t* p;

@@ -2,7 +2,9 @@
 
 - ``ngram`` / ``ngram:N``   prompt lookup over prompt + output, n-grams up to N tokens (default 3); no model
 - ``suffix`` / ``suffix:T`` suffix drafting over the request and the last T tokens of earlier outputs; no model
-- ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer
+- ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer; on a
+                            vocabulary over 65,536 ids it scores the first 32,768, its specials and the prompt's
+                            (``model:PATH@IDS`` another number, ``model:PATH@full`` every id: engine/draft_vocab.py)
 - ``eagle:PATH``            an EAGLE-3 head trained for this target (`specwise train-draft`), reading its hidden states
 - ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
@@ -11,15 +13,17 @@
 
 from __future__ import annotations
 
-from specwise.engine.cache import output_size
+from specwise.engine.cache import CausalLM, output_size
+from specwise.engine.draft_vocab import DraftVocab, default_size
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
 from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.drafters.eagle import EagleDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
 from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
+from specwise.engine.native import NativeDecoder
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
-from specwise.specs import DRAFTER_HELP, check_drafter_spec
+from specwise.specs import DRAFTER_HELP, check_drafter_spec, split_draft_vocab
 
 __all__ = [
     "DRAFTER_HELP",
@@ -79,10 +83,18 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
     if kind == "eagle":
         return EagleDrafter(arg, target, num_slots, cache_len)
     if kind == "model":
-        draft = load_target(arg, device=str(target.device), max_len=cache_len)
-        check_same_vocabulary(target, draft, arg)
+        path, size = split_draft_vocab(arg)
+        told = "" if size is None else f"@{size or 'full'}"  # in the name: requests choose drafters by name
+        draft = load_target(path, device=str(target.device), max_len=cache_len)
+        check_same_vocabulary(target, draft, path)
         extra = draft.model.weight_bytes()
-        return ModelDrafter(draft.model, f"model:{draft.identity.name}", num_slots, cache_len, extra, draft.identity)
+        model: CausalLM = draft.model
+        size = default_size(output_size(model)) if size is None and isinstance(model, NativeDecoder) else size
+        if size:
+            if not isinstance(model, NativeDecoder):
+                raise SpecwiseError(f"model:{arg}: a reduced draft vocabulary needs the draft on the CPU kernels")
+            model = DraftVocab(model, size, draft.tokenizer.special_ids())
+        return ModelDrafter(model, f"model:{draft.identity.name}{told}", num_slots, cache_len, extra, draft.identity)
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
 
 

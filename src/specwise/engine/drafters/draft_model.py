@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specwise.engine.cache import CausalLM
+from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.noise import DRAFT
 from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
@@ -75,6 +76,7 @@ class ModelDrafter:
         self, model: CausalLM, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int, identity=None
     ):
         self.model, self.name = model, name
+        self.vocab = model if isinstance(model, DraftVocab) else None  # a reduced draft vocabulary, or every id
         self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
         self.cache = model.new_cache(num_slots, cache_len)
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
@@ -87,11 +89,23 @@ class ModelDrafter:
 
     def provenance(self, target_sha256: str) -> dict:
         if self.identity is not None:
-            return self.identity.to_dict()
-        return {"name": self.name, "derived_from": target_sha256}
+            out = self.identity.to_dict()
+        else:
+            out = {"name": self.name, "derived_from": target_sha256}
+        if self.vocab is not None:
+            v = self.vocab
+            out["draft_vocab"] = {"first_ids": v.size, "special_ids": len(v.always), "prompt_ids": True}
+        return out
+
+    def admit(self, slot: int, prompt_ids: list[int]) -> None:
+        """A new request in `slot`: a reduced vocabulary also scores its prompt's ids."""
+        if self.vocab is not None:
+            self.vocab.admit(slot, prompt_ids)
 
     def release(self, slot: int) -> None:
         self.seen.pop(slot, None)
+        if self.vocab is not None:
+            self.vocab.release(slot)
 
     def _unseen(self, seq: SequenceView) -> int:
         """Length of the prefix of seq.token_ids the cache already holds (never the last token: we need its logits)."""
@@ -128,6 +142,8 @@ class ModelDrafter:
         pending = {}
         for i in active:
             seq = seqs[i]
+            if self.vocab is not None and not self.vocab.admitted(seq.slot):
+                self.vocab.admit(seq.slot, seq.token_ids[: seq.prompt_len])
             start = self._unseen(seq)
             pending[i] = (seq.slot, seq.token_ids[start:], start)
             self.seen[seq.slot] = list(seq.token_ids[:start])
