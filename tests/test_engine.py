@@ -212,7 +212,7 @@ def test_adaptive_k_follows_the_cost_of_verification():
 def test_adaptive_k_sees_each_new_measurement_of_a_cost():
     """The step's cost table is kept between rows of one pass, never past a new measurement: a drafter measured
     dear turns drafting off at once, and a pass measured cheap turns it back on."""
-    costs = CostModel(smoothing=1.0)  # each measurement replaces the last: the test reads what it set
+    costs = CostModel(window=1)  # each measurement replaces the last: the test reads what it set
     for t in range(1, 10):
         costs.observe_pass(t, 1.0 + 0.05 * (t - 1))
     k = AdaptiveK(costs, k_max=8, drafter="head")
@@ -252,6 +252,36 @@ def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_d
     assert r.stats.accepted == 0
     assert r.stats.drafted_per_position[0] < r.stats.steps / 3  # most steps ran plain
     assert r.stats.drafted < 4 * r.stats.steps / 4
+
+
+def test_a_catch_up_is_paid_only_where_perfect_acceptance_could_win_it_back():
+    from specwise.engine.draft_length import repays_catch_up
+
+    costs = FrozenCosts()  # a pass of T tokens costs 1 + 0.1·(T − 1)
+    # Alone, a pass drafting 8 yields 9 tokens for 1.8 (plain: 9): over 90 tokens that is 10 passes, 72 saved.
+    assert repays_catch_up(costs, None, rows=1, k_max=8, remaining=90, catch_up=70.0)
+    assert not repays_catch_up(costs, None, rows=1, k_max=8, remaining=90, catch_up=80.0)
+    assert not repays_catch_up(costs, None, rows=1, k_max=8, remaining=5, catch_up=10.0)  # too little left to gain
+    # In a batch where a token of the pass costs what a drafted token adds, even perfect drafts gain nothing.
+    flat = FrozenCosts(per_token=1.0)
+    assert not repays_catch_up(flat, None, rows=4, k_max=8, remaining=1000, catch_up=0.01)
+    assert repays_catch_up(CostModel(), None, rows=4, k_max=8, remaining=10, catch_up=100.0)  # unmeasured: try
+
+
+class LaggingDrafter(FailingDrafter):
+    """A drafter whose cache would have to catch up on 1,000 tokens before each draft."""
+
+    def lag(self, seq):
+        return 1000
+
+
+@pytest.mark.parametrize("per_token, drafts", [(1.0, False), (0.001, True)])
+def test_engine_holds_drafts_whose_catch_up_cannot_pay(tiny, per_token, drafts):
+    engine = Engine(tiny, drafter=LaggingDrafter(), k="auto", max_batch=1)
+    engine.costs = FrozenCosts()
+    engine.costs.catch_up_per_token = {"failing": per_token}  # 1,000 s or 1 s to catch up, against ≤ 48 s to gain
+    r = engine.generate("zzzz", SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
+    assert (r.stats.drafted > 0) is drafts
 
 
 # --- distribution -------------------------------------------------------------------------------------------------

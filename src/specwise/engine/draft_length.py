@@ -6,12 +6,19 @@ With per-token acceptance α, drafting k tokens yields E(k) = (1 − α^(k+1)) /
 decoding, so a request whose drafts keep failing decays to it. In a batch, `plan_batch` then spends the pass's
 draft tokens where they pay for the whole pass. It still probes with k = 1 now and then, so a
 request that starts copying again (a quoted list, a repeated heading) gets speculation back; each failed probe
-doubles the wait for the next.
+doubles the wait for the next. A drafter with a cache of its own (a draft model) must first catch up on what it
+has not seen — a new prompt, or the output since it last drafted — which costs far more than a drafted token:
+`repays_catch_up` starts drafting for such a row only where even perfect acceptance could win that time back.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from specwise.specs import DEFAULT_K_MAX
+
+CATCH_UP_FREE = 16  # unseen tokens a drafter takes in its stride (the pending token, a bonus, a short gap)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -23,27 +30,43 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class CostModel:
     """Measured seconds of a target pass over M tokens — whatever rows they belong to: passes are unpadded, so a
-    row's draft adds its own tokens and nothing else — and of drafting a token with each drafter."""
+    row's draft adds its own tokens and nothing else — of drafting a token with each drafter, and of a drafter's
+    catching up on a token. Each is the median of its last `window` measurements: on a shared 2-core machine one
+    pass in a few dozen takes several times as long (another process, the allocator), and a moving mean that one
+    such pass moved made a 4-row batch's extra token look nearly free, so the planner drafted where it lost."""
 
-    def __init__(self, smoothing: float = 0.2):
-        self.passes: dict[int, float] = {}  # tokens in the pass → exponentially smoothed seconds
+    def __init__(self, window: int = 9):
+        self.passes: dict[int, float] = {}  # tokens in the pass → seconds (median of the recent ones)
         self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token
-        self.smoothing = smoothing
+        self.catch_up_per_token: dict[str | None, float] = {}  # drafter name → seconds per token caught up on
+        self.window = window
+        self._samples: dict[tuple[str, int | str | None], deque[float]] = {}
         self._curve: dict[int, float] = {}  # pass_cost answers since the last measurement (asked every step)
         self._tables: dict[tuple[int, str | None], list[float]] = {}  # step_costs answers since then
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+    def _median(self, kind: str, key: int | str | None, value: float) -> float:
+        recent = self._samples.setdefault((kind, key), deque(maxlen=self.window))
+        recent.append(value)
+        return statistics.median(recent)
 
     def observe_pass(self, tokens: int, seconds: float) -> None:
-        self.passes[tokens] = self._ema(self.passes.get(tokens), seconds)
+        self.passes[tokens] = self._median("pass", tokens, seconds)
         self._curve.clear()
         self._tables.clear()
 
     def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
         if tokens > 0:
-            self.draft_per_token[drafter] = self._ema(self.draft_per_token.get(drafter), seconds / tokens)
+            self.draft_per_token[drafter] = self._median("draft", drafter, seconds / tokens)
             self._tables.clear()
+
+    def observe_catch_up(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
+        if tokens > 0:
+            self.catch_up_per_token[drafter] = self._median("catch-up", drafter, seconds / tokens)
+
+    def catch_up_cost(self, tokens: int, drafter: str | None = None) -> float | None:
+        """Seconds for `drafter` to catch up alone on `tokens` unseen tokens; None before it has done so once."""
+        per_token = self.catch_up_per_token.get(drafter)
+        return None if per_token is None else tokens * per_token
 
     def pass_cost(self, tokens: int) -> float | None:
         """Seconds for a pass of `tokens` tokens: measured, else interpolated, never below a smaller pass's (timing
@@ -157,6 +180,27 @@ class AdaptiveK:
         else:
             self.plain_steps = 0
         return best_k
+
+
+def repays_catch_up(
+    costs: CostModel, drafter: str | None, rows: int, k_max: int, remaining: int, catch_up: float
+) -> bool:
+    """Whether drafting for one row of a `rows`-row batch could win back `catch_up` seconds (its drafter's catching
+    up on unseen tokens) over the row's `remaining` tokens — at perfect acceptance, the best case: a pass drafting k
+    yields k + 1 of the row's tokens and k more for the batch, worth what plain passes take for as many tokens, less
+    what it costs (the pass's k extra tokens and k drafted ones). True while the costs are unmeasured (the first
+    catch-up measures them). On two cores a full batch of four gains nothing from a drafted token even when it is
+    always accepted, so its rows never pay a catch-up for it."""
+    plain = costs.pass_cost(rows)
+    if plain is None:
+        return True
+    per_token = plain / rows
+    best = 0.0
+    for k in range(1, k_max + 1):
+        seconds = (costs.pass_cost(rows + k) or 0.0) + (costs.draft_cost(k, drafter) or 0.0)
+        saved = (rows + k) * per_token - seconds
+        best = max(best, saved * remaining / (k + 1))
+    return best > catch_up
 
 
 def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: CostModel) -> list[int] | None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specwise.engine.cache import output_size
-from specwise.engine.draft_length import AdaptiveK, CostModel, FixedK, plan_batch
+from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, FixedK, plan_batch, repays_catch_up
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.kernels import serial_torch
@@ -186,6 +186,7 @@ class Engine:
         # Per drafter, the recent requests' per-token acceptance: where adaptive k starts a new request, so that
         # traffic whose drafts fail (general chat) does not pay a warm-up of failing drafts on every request.
         self.acceptance: dict[str, float] = {}
+        self.output_length: float | None = None  # recent requests' output tokens (a moving mean): `_hold_catch_ups`
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
@@ -491,6 +492,7 @@ class Engine:
             spent = self._now() - td
             one_off = float(getattr(self.drafters[name], "one_off_seconds", 0.0))
             self.costs.observe_draft(max(ks[i] for i in idx), max(spent - one_off, 0.0), name)
+            self.costs.observe_catch_up(int(getattr(self.drafters[name], "one_off_tokens", 0)), one_off, name)
             for i in idx:
                 draft_time[i] = spent
         t1 = self._now()
@@ -620,6 +622,7 @@ class Engine:
         for the whole pass (`plan_batch`). A step whose only drafts are probes pays for one probe now and then (every
         8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
         ks = [self._draft_len(s) for s in seqs]
+        self._hold_catch_ups(seqs, ks)
         drafting = [i for i, k in enumerate(ks) if k > 0]
         adaptive = [c for i in drafting if isinstance(c := seqs[i].controller, AdaptiveK)]
         if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
@@ -641,6 +644,30 @@ class Engine:
                 self._probe_wait = 0
                 out[probes[0]] = 1
         return out
+
+    def _hold_catch_ups(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Zero the draft of an adaptive row whose drafter would first have to catch up on a long run of unseen
+        tokens (a new prompt, the output since it last drafted) that even perfect acceptance could not win back over
+        the row's remaining tokens in a batch of this size (`repays_catch_up`). Prompts being prefilled count as
+        rows: they decode beside these ones from the next pass. A row's remaining tokens are what its limit leaves,
+        or fewer where recent requests' mean output length leaves fewer (at least CATCH_UP_FREE): a catch-up late in
+        a long request is rarely won back (on the pair's code workload at concurrency 4 the tails' catch-ups were
+        most of speculation's loss)."""
+        rows = max(len(seqs), len(self.running))
+        for i, seq in enumerate(seqs):
+            if ks[i] == 0 or not isinstance(seq.controller, AdaptiveK) or seq.drafter is None:
+                continue
+            lag = getattr(self.drafters[seq.drafter], "lag", None)
+            unseen = lag(seq) if lag is not None else 0
+            cost = self.costs.catch_up_cost(unseen, seq.drafter) if unseen > CATCH_UP_FREE else None
+            if cost is None:
+                continue
+            out = len(seq.output_ids)
+            remaining = seq.params.max_new_tokens - out
+            if self.output_length is not None:
+                remaining = min(remaining, max(round(self.output_length) - out, CATCH_UP_FREE))
+            if not repays_catch_up(self.costs, seq.drafter, rows, seq.controller.k_max, remaining, cost):
+                ks[i] = 0
 
     def _draft_len(self, seq: Sequence) -> int:
         if seq.controller is None or not self.speculate:
@@ -719,6 +746,9 @@ class Engine:
         if seq.drafter is not None and alpha is not None and seq.stats.accepted + seq.stats.rejections >= 4:
             old = self.acceptance.get(seq.drafter)
             self.acceptance[seq.drafter] = alpha if old is None else 0.8 * old + 0.2 * alpha
+        if seq.finish_reason in ("stop", "length"):
+            n, old_n = len(seq.output_ids), self.output_length
+            self.output_length = n if old_n is None else 0.8 * old_n + 0.2 * n
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()

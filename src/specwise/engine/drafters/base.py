@@ -37,9 +37,10 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for a batch of sequences. A drafter may also set `one_off_seconds` after a propose:
-    the part of its time that was one-off work (a draft model prefilling a new prompt), which the engine's cost
-    model leaves out of what a drafted token costs (absent: none)."""
+    """Proposes draft tokens for a batch of sequences. A drafter may also set `one_off_seconds` and
+    `one_off_tokens` after a propose: the part of its time that was one-off work (a draft model prefilling a new
+    prompt) and over how many tokens, which the engine's cost model leaves out of what a drafted token costs (absent:
+    none); and have `lag(seq)`: the tokens it must catch up on before it can draft for seq (absent: none)."""
 
     name: str
 

@@ -5,7 +5,8 @@ each call it feeds what it has not seen (the prompt on the first call; afterward
 recovered or bonus one), then samples k tokens one at a time with the request's own sampling settings, keeping the
 distribution of each (q for rejection sampling). A rejected token's cache entries are simply written over next time.
 Catching up alone on a long run of unseen tokens (a new prompt, or the output since drafting was last on) is a
-one-off, not what a drafted token costs: `one_off_seconds` tells the engine's cost model to leave it out.
+one-off, not what a drafted token costs: `one_off_seconds` and `one_off_tokens` tell the engine's cost model to leave
+it out and what catching up costs per token, and `lag` tells the engine how much a row would have to catch up on.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ModelDrafter:
         self._extra_weights = extra_weight_bytes
         self.device = model.device
         self.one_off_seconds = 0.0  # of the last propose: catching up alone on a new prompt or a long gap
+        self.one_off_tokens = 0  # … and how many tokens that was
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
@@ -115,6 +117,10 @@ class ModelDrafter:
         while i < n and seen[i] == toks[i]:
             i += 1
         return i
+
+    def lag(self, seq: SequenceView) -> int:
+        """Tokens of `seq` this drafter must feed its cache before it can draft for it."""
+        return len(seq.token_ids) - self._unseen(seq)
 
     def _forward(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """rows of (slot, tokens, start position) → each row's last-token logits (B, V), in one pass."""
@@ -150,7 +156,7 @@ class ModelDrafter:
         long_rows = [i for i in active if len(pending[i][1]) > LONG_CATCH_UP]
         groups = [[i] for i in long_rows] + [[i for i in active if i not in long_rows]]
         last_logits: dict[int, torch.Tensor] = {}
-        self.one_off_seconds = 0.0
+        self.one_off_seconds, self.one_off_tokens = 0.0, 0
         for group in groups:
             if group:
                 t0 = time.perf_counter()
@@ -158,6 +164,7 @@ class ModelDrafter:
                     last_logits[i] = row
                 if len(group) == 1 and group[0] in long_rows:
                     self.one_off_seconds += time.perf_counter() - t0
+                    self.one_off_tokens += len(pending[group[0]][1])
         for i in active:
             self.seen[seqs[i].slot] += pending[i][1]
 
