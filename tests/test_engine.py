@@ -228,6 +228,18 @@ def test_adaptive_k_sees_each_new_measurement_of_a_cost():
     assert k.choose() == 0
 
 
+def test_one_slow_pass_does_not_make_a_longer_pass_look_free():
+    """Costs are medians of recent measurements: a pass that once took five times as long (another process had
+    the cores) leaves the estimate where the others put it, so the next pass's extra token is not priced at ~0."""
+    costs = CostModel()
+    for _ in range(8):
+        costs.observe_pass(4, 0.040)
+        costs.observe_pass(5, 0.046)
+    costs.observe_pass(4, 0.200)
+    assert costs.pass_cost(4) == pytest.approx(0.040)
+    assert costs.pass_cost(5) - costs.pass_cost(4) == pytest.approx(0.006)
+
+
 def test_plan_batch_spends_draft_tokens_where_they_pay_for_the_pass():
     from specwise.engine.draft_length import plan_batch
 
