@@ -12,8 +12,9 @@ import pytest
 from test_evaluate import cli
 
 from specwise.engine import Engine, SamplingParams
+from specwise.engine.draft_length import CostModel
 from specwise.engine.drafters import make_drafter
-from specwise.engine.replay import DraftRule, replay
+from specwise.engine.replay import AdaptiveRule, DraftRule, replay, walk
 from specwise.engine.weights import embedded_model_path
 from specwise.errors import SpecwiseError
 from specwise.harness.predict import PassCosts
@@ -90,6 +91,36 @@ def test_replay_never_drafts_past_max_tokens_and_counts_the_prefill_token_as_no_
     assert out.counts.drafted <= 8 * out.counts.steps and out.open_steps == 0
 
 
+def _costs(per_token: float):
+    """A pass of T tokens costs 1 + per_token·(T − 1); a drafted token 0.001."""
+    costs = CostModel(window=1)
+    costs.passes = {t: 1.0 + per_token * (t - 1) for t in range(1, 80)}
+    costs.draft_per_token = {"d": 0.001}
+    return costs
+
+
+def test_adaptive_replay_follows_the_costs_the_engine_would_see():
+    """k=auto replayed: a drafter that is always right drafts long where verified rows are cheap; where a pass's
+    row costs what a step does (four rows on two cores), or a drafter's catch-up on the prompt could not be won
+    back, it drafts nothing — the engine's own rules (AdaptiveK, plan_batch, the catch-up hold)."""
+    output = list(range(100, 180))
+
+    def perfect(p, ke):
+        return output[p : p + ke], 0.0
+
+    def run(costs, rows, catch_up=None):
+        rule = AdaptiveRule(costs, "d", 0.9, rows, len(output), 4096, catch_up)
+        return walk(perfect, 50, output, rule).counts
+
+    cheap = run(_costs(0.1), 1)
+    assert cheap.drafted > 0 and cheap.steps < (len(output) - 1) / 4  # long drafts, nearly all accepted
+    batch = run(_costs(1.0), 4)
+    assert batch.drafted == 0 and batch.steps == len(output) - 1  # plain decoding
+    held = run(_costs(0.1), 1, catch_up=100.0)  # 51 tokens to catch up at 100 s each: never worth it
+    assert held.drafted == 0
+    assert run(_costs(0.1), 1, catch_up=0.001).drafted > 0
+
+
 @pytest.fixture(scope="module")
 def baseline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "run"
@@ -102,14 +133,17 @@ def baseline_run(tmp_path_factory):
 
 def test_predict_from_a_run_sets_predicted_beside_measured_and_chooses_k_per_load(baseline_run, tmp_path):
     out = tmp_path / "p.json"
-    proc = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "1,2,4", "--json", out)
+    proc = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "1,2,4,auto", "--json", out)
     assert "PREDICTED from the baseline of" in proc.stdout and "PREDICTED VERDICT for ngram k=2" in proc.stdout
+    assert "PREDICTED VERDICT for ngram k=auto" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["predicted"] is True and doc["drafter"] == "ngram"
     cells = doc["cells"]
-    assert {c["k"] for c in cells} == {1, 2, 4} and {c["load"] for c in cells} == {"concurrent@1", "concurrent@2"}
-    # k=1 and k=4 were measured: set beside the prediction; k=2 was not.
-    assert all((c["measured_e2e_speedup"] is not None) == (c["k"] != 2) for c in cells)
+    assert {c["k"] for c in cells} == {1, 2, 4, "auto"}
+    assert {c["load"] for c in cells} == {"concurrent@1", "concurrent@2"}
+    # k=1 and k=4 were measured: set beside the prediction; k=2 and k=auto were not.
+    assert all((c["measured_e2e_speedup"] is not None) == (c["k"] in (1, 4)) for c in cells)
+    assert all(c["mean_acceptance_length"] >= 1 for c in cells if c["k"] == "auto")
     assert {c["load"] for c in doc["k_choices"]} == {"concurrent@1", "concurrent@2"}
     # Replayed acceptance is the measured one: the run's own counts for k=1 and k=4, pooled per group and load.
     con = sqlite3.connect(baseline_run)
@@ -127,8 +161,8 @@ def test_predict_from_a_run_sets_predicted_beside_measured_and_chooses_k_per_loa
 def test_predict_refuses_what_it_cannot_replay(baseline_run, tmp_path):
     bad = cli("predict", "--from-run", baseline_run, "--drafter", "eagle:/nowhere", check=False)
     assert bad.returncode == 2 and "hidden states" in bad.stderr
-    bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "auto", check=False)
-    assert bad.returncode == 2 and "fixed draft lengths" in bad.stderr
+    bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "0", check=False)
+    assert bad.returncode == 2 and "--k" in bad.stderr
     # A run whose records carry no token ids (an older run, or a server's): what is missing, nothing written.
     old = tmp_path / "old.db"
     old.write_bytes(baseline_run.read_bytes())
@@ -206,22 +240,23 @@ def test_predict_measures_its_baseline_first_and_only_once(tmp_path):
 
 def test_evaluate_predict_first_runs_only_what_is_not_predicted_to_lose(tmp_path):
     """--predict-first: a configuration predicted to lose in every cell (a one-layer self-draft at k=2) is not run
-    and says so; adaptive k is run without a prediction; the report sets each predicted cell beside the measured
-    one, and the run's plan holds only what ran."""
+    and says so; adaptive k is predicted too; the report sets each predicted cell beside the measured one, and the
+    run's plan holds only what ran."""
     out = tmp_path / "pf"
     proc = cli(
         "evaluate", "--predict-first", "--drafter", "ngram", "--drafter", "layerskip:1", "--k", "2,auto",
         "--tasks", "4", "--max-tokens", "24", "--concurrency", "1", "--out", out, "--no-progress",
     )  # fmt: skip
     assert "predict-first: layerskip:1 k=2: predicted to lose in every cell: not run" in proc.stderr
-    assert "predict-first: ngram k=auto: not predicted: adaptive k is not predicted; run" in proc.stderr
+    auto = [ln for ln in proc.stderr.splitlines() if ln.startswith("predict-first: ngram k=auto: ")]
+    assert auto and ("x [" in auto[0]) and "not predicted" not in proc.stderr  # adaptive k predicted like the rest
     assert (out / "predict-baseline" / "run.db").is_file()
     with sqlite3.connect(out / "run.db") as con:
         plan = json.loads(con.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
         ran = {r[0] for r in con.execute("SELECT DISTINCT config FROM requests")}
     names = [c["name"] for c in plan["configs"]]
     assert "layerskip:1 k=2" not in names and "layerskip:1 k=2" not in ran
-    assert {"baseline", "ngram k=auto", "layerskip:1 k=auto"} <= ran
+    assert set(names) == ran  # what was planned ran; what was predicted to lose was left out of the plan
     assert "predicted before the run (--predict-first" in proc.stdout
     assert "layerskip:1 k=2: not run (predicted to lose in every cell)" in proc.stdout
     predicted = [ln for ln in proc.stdout.splitlines() if "ngram k=2" in ln and "x [" in ln]

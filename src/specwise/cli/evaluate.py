@@ -130,9 +130,10 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def predict_first(workload, loads, configs, target, cap, out: Path, progress: bool):
-    """--predict-first: the baseline measured once into OUT/predict-baseline, each fixed-k configuration predicted
-    from its outputs (every k of a drafter from one replay), and the configurations predicted to lose in every cell
-    named for skipping; those without a prediction (adaptive k, a trained head) are run as asked."""
+    """--predict-first: the baseline measured once into OUT/predict-baseline, each configuration predicted from its
+    outputs (every k of a drafter from one replay; k=auto as the engine would choose it on this machine's costs),
+    and the configurations predicted to lose in every cell named for skipping; those without a prediction (a trained
+    head) are run as asked."""
     from specwise.cli.predict import BaselineSpec, PredictSetup, check_predictable, measure_baseline, predict
     from specwise.harness.predict import config_name
     from specwise.harness.results import PredictedCell, PredictFirst
@@ -144,12 +145,12 @@ def predict_first(workload, loads, configs, target, cap, out: Path, progress: bo
             check_predictable(c.drafter, [c.k], False)
             by_drafter.setdefault(c.drafter, []).append(c)
         except SpecwiseError as exc:
-            unpredicted[c.name] = "adaptive k is not predicted" if c.k == "auto" else str(exc).split(": ", 1)[-1]
+            unpredicted[c.name] = str(exc).split(": ", 1)[-1]
     baseline = measure_baseline(BaselineSpec(workload, loads, target, cap), out / "predict-baseline", progress)
     setup = PredictSetup(target.model, target.dtype, target.quantize, target.activations)
     cells: list[PredictedCell] = []
     for drafter, group in by_drafter.items():
-        p = predict(baseline, drafter, sorted({c.k for c in group}), setup)
+        p = predict(baseline, drafter, list(dict.fromkeys(c.k for c in group)), setup)
         for c in group:
             name = config_name(p.drafter, c.k)
             cells += [

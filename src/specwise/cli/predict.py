@@ -16,13 +16,14 @@ import hashlib
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specwise.cli.common import k_list_arg, precision_flags, target_options, write_file
 from specwise.errors import SpecwiseError
-from specwise.specs import DRAFTER_HELP, TargetOptions
+from specwise.specs import DEFAULT_K_MAX, DRAFTER_HELP, TargetOptions
 
 PROBES = 3  # prompts of the run the step-overhead probe decodes, plainly and speculatively
 PROBE_KS = (1, 8)  # … at these draft lengths (the overhead is fitted as a line in drafted tokens per step)
@@ -96,12 +97,10 @@ class Prediction:
     open_steps: int
 
 
-def check_predictable(drafter: str, ks: list, sampled: bool) -> None:
+def check_predictable(drafter: str, ks: Sequence, sampled: bool) -> None:
     """Refuse a drafter or k that replay cannot predict, naming what it can."""
-    if any(not isinstance(k, int) or k < 1 for k in ks):
-        raise SpecwiseError(
-            f"--k {','.join(map(str, ks))}: predict takes fixed draft lengths ≥ 1 (auto adapts to timing)"
-        )
+    if any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
+        raise SpecwiseError(f"--k {','.join(map(str, ks))}: predict takes draft lengths ≥ 1 and auto")
     if drafter.startswith("eagle:"):
         raise SpecwiseError(
             "--drafter eagle:…: a trained head drafts from the target's hidden states, which replay does not compute "
@@ -114,7 +113,7 @@ def check_predictable(drafter: str, ks: list, sampled: bool) -> None:
         )
 
 
-def predict(run_path: Path, drafter: str, ks: list[int], setup: PredictSetup) -> Prediction:
+def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: PredictSetup) -> Prediction:
     """Replay the run's baseline outputs through `drafter` at every k and predict each configuration's records from
     this machine's pass costs; analysed as the evaluation would be, marked as predicted."""
     from specwise.harness.analyze import analyze, load_run
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     p = predict(run_path, args.drafter, args.k, setup)
     o = p.overhead
     errors = f"{o.error:.0%} one at a time" + (f", {o.batch_error:.0%} at concurrency {o.batch}" if o.batch > 1 else "")
-    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, errors)
+    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, errors, args.drafter)
     doc["step_overhead"] = p.overhead.to_json()
     print(text)
     if args.json:
@@ -305,8 +304,10 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     """Load the run's target, rebuild each prompt, replay every baseline output for every k with the drafter `spec`;
     measure (or read) the pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
+    from specwise.engine.draft_length import CostModel
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.replay import (
+        AdaptiveRule,
         DraftRule,
         can_guess,
         draft_token_seconds,
@@ -348,15 +349,22 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
+    fixed = [k for k in ks if isinstance(k, int)]
+    load_of = {ld.name: ld.value for ld in plan.loads}
     drafter = make_drafter(spec, target, 1, engine.cache_len)
     name, batched = drafter.name, isinstance(drafter, ModelDrafter)
-    if isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0:
+    guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
+    auto_drafter = drafter
+    guesses_of: dict = {}  # record key → a greedy draft model's guesses (k=auto replays them again, below)
+    per_token = 0.0
+    if guessing:
         # a greedy draft model: one pass over each output, every k replayed from it
+        assert isinstance(drafter, ModelDrafter)
         per_token = draft_token_seconds(drafter)
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
-            guesses = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
-            for k in ks:
+            guesses = guesses_of[r.key] = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
+            for k in fixed:
                 limit = limits[r.task_id]
                 out = replay_guesses(guesses, r.prompt_tokens, r.tokens, DraftRule(k, limit, engine.max_len), per_token)
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
@@ -366,7 +374,11 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         warm_ids = engine.encode_prompt(WARM_UP[0])
         for k in ks:
             drafter = make_drafter(spec, target, 1, engine.cache_len)  # a fresh history per k (suffix)
-            replay(drafter, warm_ids, warm.token_ids, DraftRule(k, WARM_UP[1], engine.max_len))
+            warm_k = DEFAULT_K_MAX if k == "auto" else int(k)
+            replay(drafter, warm_ids, warm.token_ids, DraftRule(warm_k, WARM_UP[1], engine.max_len))
+            if k == "auto":
+                auto_drafter = drafter  # replayed below, once the costs that steer it are known
+                continue
             for r in ordered:
                 assert r.tokens is not None
                 out = replay(drafter, prompts[r.task_id], r.tokens, DraftRule(k, limits[r.task_id], engine.max_len))
@@ -377,6 +389,29 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
 
     # serially in a step): built only if the costs are measured
     costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
+    if "auto" in ks:
+        # k=auto as the engine would choose it on these costs, each request at its load, the acceptance prior
+        # carried from request to request in the order they finished (Engine._retire)
+        model = CostModel(window=1)
+        model.passes = dict(costs.seconds)
+        model.draft_per_token = {name: per_token}
+        prior: float | None = None
+        for r in ordered:
+            assert r.tokens is not None
+            rows = int(load_of[r.load])
+            limit = limits[r.task_id]
+            if guessing:
+                g = guesses_of[r.key]
+                catch_up = g.prompt_seconds / max(r.prompt_tokens, 1)
+                rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, rows, limit, engine.max_len, catch_up)
+                out = replay_guesses(g, r.prompt_tokens, r.tokens, rule, per_token)
+            else:
+                rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, rows, limit, engine.max_len)
+                out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
+            replays.append(Replay(r.key, "auto", out.counts, out.open_steps))
+            alpha = out.counts.token_acceptance
+            if alpha is not None and out.counts.accepted + out.counts.rejections >= 4:
+                prior = alpha if prior is None else 0.8 * prior + 0.2 * alpha
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
@@ -552,7 +587,8 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
             "a cost file measured there with --costs FILE"
         )
     concurrency = max(ld.value for ld in measured.plan.loads if ld.kind == "concurrent")
-    top = int(concurrency) * (max(*ks, PROBE_KS[-1]) + 1)  # measured once for every k up to 8 at least
+    longest = max([k for k in ks if isinstance(k, int)] + [DEFAULT_K_MAX if "auto" in ks else 0, PROBE_KS[-1]])
+    top = int(concurrency) * (longest + 1)  # measured once for every k up to 8 at least
     sizes = [s for s in COST_SIZES if s < top] + [top]
     lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
     context = 64 * (lengths[len(lengths) // 2] // 64)  # the median context, rounded down
@@ -575,7 +611,9 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     return costs
 
 
-def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: str = "") -> tuple[str, dict]:
+def _summary(
+    measured, predicted, drafter: str, costs, open_steps: int, error: str = "", spec: str | None = None
+) -> tuple[str, dict]:
     """The prediction for people (per group × load × k, beside what the run measured), and as JSON."""
     from specwise.harness.predict import measured_twin
     from specwise.harness.report import mark
@@ -605,7 +643,7 @@ def _summary(measured, predicted, drafter: str, costs, open_steps: int, error: s
     for c in a.comparisons:
         k = k_of[c.config]
         row = rows[(c.config, c.load, c.group)]
-        twin = measured_twin(measured, drafter, k)
+        twin = measured_twin(measured, (drafter, spec or drafter), k)
         m = measured_cells.get((twin, c.load, c.group)) if twin else None
         e = c.e2e_speedup
         shown = f"{m.e2e_speedup.value:>7.2f}x [{m.e2e_speedup.lo:.2f}–{m.e2e_speedup.hi:.2f}]" if m else "—"

@@ -19,17 +19,23 @@ accepted draft token is the output's own). Every k is replayed from the same gue
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, plan_batch, repays_catch_up
+from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Drafter
 from specwise.engine.drafters.draft_model import ModelDrafter
+from specwise.engine.kernels import serial_torch
+from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise
 from specwise.engine.sampling import SamplingParams, greedy
 from specwise.speccounts import SpecCounts
+from specwise.specs import DEFAULT_K_MAX
 
 
 @dataclass
@@ -68,8 +74,57 @@ class DraftRule:
         return max(0, min(self.k, min(self.max_len - (prompt_len + p), self.max_new_tokens - p) - 1))
 
 
+class AdaptiveRule:
+    """k=auto as the engine decides it (`AdaptiveK`, `Engine._hold_catch_ups`, `plan_batch`) for one request in a
+    batch of `rows` whose other rows are like it (same acceptance, same choice), on given costs: the controller's
+    choice from the acceptance it has seen, within the request's room; held while the drafter's cache lags by more
+    than CATCH_UP_FREE tokens and even perfect acceptance could not win the catch-up back; cut to what pays for the
+    batch's pass. An estimate, not a replay of a run's own choices: the engine decides from timings measured while
+    it runs, and its batches mix requests that accept differently."""
+
+    def __init__(
+        self,
+        costs: CostModel,
+        drafter: str | None,
+        prior_alpha: float,
+        rows: int,
+        max_new_tokens: int,
+        max_len: int,
+        catch_up_per_token: float | None = None,
+        k_max: int = DEFAULT_K_MAX,
+    ):
+        self.costs, self.drafter, self.rows = costs, drafter, max(rows, 1)
+        self.max_new_tokens, self.max_len, self.k_max = max_new_tokens, max_len, k_max
+        self.catch_up_per_token = catch_up_per_token  # None: the drafter keeps no cache of its own (no lag)
+        self.controller = AdaptiveK(costs, k_max, prior_alpha=prior_alpha, drafter=drafter)
+        self.fed = 0  # tokens of prompt + output the drafter's cache holds
+
+    def room(self, prompt_len: int, p: int) -> int:
+        k = self.controller.choose()
+        k = max(0, min(k, min(self.max_len - (prompt_len + p), self.max_new_tokens - p) - 1))
+        lag = prompt_len + p - self.fed
+        if k and self.catch_up_per_token is not None and lag > CATCH_UP_FREE:
+            remaining = self.max_new_tokens - p
+            cost = lag * self.catch_up_per_token
+            if not repays_catch_up(self.costs, self.drafter, self.rows, self.k_max, remaining, cost):
+                k = 0
+        if k and self.rows > 1:  # the other rows as this one: a batch of one workload's requests
+            planned = plan_batch([(self.controller.alpha, k, self.drafter)] * self.rows, 0, self.costs)
+            k = k if planned is None else planned[0]
+        return k
+
+    def observe(self, prompt_len: int, p: int, drafted: int, accepted: int) -> None:
+        """A step at output position p drafted `drafted` and had `accepted` of them accepted."""
+        self.controller.observe(drafted, accepted)
+        if drafted:
+            self.fed = prompt_len + p + accepted  # what it fed and drafted, up to the first rejected token
+
+
 def walk(
-    propose: Callable[[int, int], tuple[list[int], float]], prompt_len: int, output_ids: list[int], rule: DraftRule
+    propose: Callable[[int, int], tuple[list[int], float]],
+    prompt_len: int,
+    output_ids: list[int],
+    rule: DraftRule | AdaptiveRule,
 ) -> Replayed:
     """The speculative run over `output_ids` (the first came from the prefill): at each committed length p,
     `propose(p, ke)` gives the step's draft of at most ke tokens (the engine's draft length there) and the seconds
@@ -86,6 +141,8 @@ def walk(
             a += 1
         open_steps += a < len(draft) and p + a >= n  # the output ended where the draft still went on
         counts.observe_step(len(draft), a, spent)
+        if isinstance(rule, AdaptiveRule):
+            rule.observe(prompt_len, p, len(draft), a)
         p += a + 1
     return Replayed(counts, open_steps, n)
 
@@ -94,7 +151,7 @@ def replay(
     drafter: Drafter,
     prompt_ids: list[int],
     output_ids: list[int],
-    rule: DraftRule,
+    rule: DraftRule | AdaptiveRule,
     slot: int = 0,
     history: bool = True,
 ) -> Replayed:
@@ -142,7 +199,7 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
     prompt_seconds = 0.0
     dev = drafter.device
     drafter.admit(0, prompt_ids)  # what a speculative run's draft scores for this request
-    with torch.inference_mode():
+    with torch.inference_mode(), as_in_a_step(drafter):
         for start in range(0, len(tokens), CHUNK):
             chunk = tokens[start : start + CHUNK]
             rows = [i - start for i in range(max(start, first), start + len(chunk))]
@@ -162,27 +219,46 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
 
 
 def replay_guesses(
-    guesses: Guesses, prompt_len: int, output_ids: list[int], rule: DraftRule, seconds_per_draft_token: float = 0.0
+    guesses: Guesses,
+    prompt_len: int,
+    output_ids: list[int],
+    rule: DraftRule | AdaptiveRule,
+    seconds_per_draft_token: float = 0.0,
 ) -> Replayed:
     """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
     first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token,
-    and the first draft also pays the draft's pass over the prompt."""
+    and the first draft also pays the draft's pass over the prompt (under k=auto every long catch-up pays at the
+    prompt pass's rate per token)."""
     caught_up = [False]
+    per_token = guesses.prompt_seconds / max(prompt_len, 1)  # catching up on a token, as the prompt's pass did
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         draft = guesses.tokens[p : p + ke]
-        catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
+        if isinstance(rule, AdaptiveRule):  # the prompt and every gap since the last draft
+            lag = prompt_len + p - rule.fed
+            catch_up = lag * per_token if lag > CATCH_UP_FREE else 0.0
+        else:
+            catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
         return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token + catch_up
 
     return walk(propose, prompt_len, output_ids, rule)
 
 
+def as_in_a_step(drafter: ModelDrafter) -> contextlib.AbstractContextManager:
+    """Torch as an engine step runs it beside this drafter: at one thread when the draft is on the kernels
+    (`Engine._kernels_step`). Timed otherwise, the 0.5B's drafted token took 14–18 ms against 9.5 in a step (its
+    idle OpenMP workers spin on the kernels' cores), and predictions for a draft model came out pessimistic."""
+    on_kernels = isinstance(drafter.model, (NativeDecoder, DraftVocab))
+    return serial_torch() if on_kernels else contextlib.nullcontext()
+
+
 def draft_token_seconds(drafter: ModelDrafter, repeats: int = 5) -> float:
-    """Median seconds of one one-token draft forward (what each drafted token costs a greedy draft model)."""
+    """Median seconds of one one-token draft forward (what each drafted token costs a greedy draft model), timed as
+    an engine step runs it (`as_in_a_step`)."""
     dev = drafter.device
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), as_in_a_step(drafter):
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             drafter.model.forward_tokens(

@@ -123,7 +123,7 @@ class Replay:
     """One baseline record's replayed speculation with one drafter and k (from `engine.replay`)."""
 
     key: tuple[str, str, str, int]  # the baseline record's (config, load, task, repeat)
-    k: int
+    k: int | str  # a draft length, or "auto" (adaptive k as the engine would choose it on the measured costs)
     counts: SpecCounts
     open_steps: int = 0
 
@@ -259,22 +259,27 @@ def predicted_record(
     of it inside this request's decode, which a shorter decode still holds — in a closed loop as many others start
     while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
     model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
-    batch."""
+    batch on the steps that drafted."""
     costs, overhead, batched = model.costs, model.overhead, model.batched
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
     per_step = max((base.decode or 0.0) - interference, 0.0) / plain_steps
     c = max(concurrency, 1.0)
-    mean = counts.drafted / counts.steps if counts.steps else 0.0
+    # Steps that drafted nothing (adaptive k decoding plainly, a draft cut to no room) are plain steps: no overhead,
+    # and the batch's correction only in proportion to the steps that drafted.
+    drafting_steps = counts.steps - drafted_histogram(counts).get(0, 0)
+    mean = counts.drafted / drafting_steps if drafting_steps else 0.0
+    share = drafting_steps / counts.steps if counts.steps else 0.0
     # A draft model's batch costs about what the target's passes say c rows cost against one.
     drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if batched else c)
     decode = (
-        counts.steps * (per_step + c * overhead.at(mean))
+        counts.steps * per_step
+        + drafting_steps * c * overhead.at(mean)
         + min(interference, base.decode or 0.0)
         + extra_pass_seconds(counts, c, costs)
         + drafting
-    ) * overhead.correction(c)
-    prefill = (base.prefill or 0.0) * overhead.prefill_scale
+    ) * (1 + (overhead.correction(c) - 1) * share)
+    prefill = (base.prefill or 0.0) * (1 + (overhead.prefill_scale - 1) * share)
     e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) - (base.prefill or 0.0) + prefill + decode
     return dataclasses.replace(
         base, config=config, e2e=e2e, decode=decode, prefill=prefill, spec=counts, itl=[], chunks=[], tokens=None
@@ -302,7 +307,7 @@ def predicted_run(
     base = {r.key: r for r in baseline_records(run)}
     loads = [ld for ld in run.plan.loads if ld.kind == "concurrent"]
     value = {ld.name: ld.value for ld in loads}
-    ks = sorted({r.k for r in replays})
+    ks = sorted({r.k for r in replays}, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0))
     configs = [run.plan.baseline] + [Config(config_name(drafter, k), drafter, k) for k in ks]
     records = list(base.values())
     means = {}  # per load: the baseline's mean prefill and E2E (what `interference` scales by)
@@ -329,10 +334,11 @@ def predicted_run(
     )
 
 
-def config_name(drafter: str, k: int) -> str:
+def config_name(drafter: str, k: int | str) -> str:
     return f"{drafter} k={k} (predicted)"
 
 
-def measured_twin(run: Run, drafter: str, k: int) -> str | None:
-    """The run's own configuration with this drafter and fixed k, if it measured one (to set beside a prediction)."""
-    return next((c.name for c in run.plan.configs[1:] if c.drafter == drafter and c.k == k), None)
+def measured_twin(run: Run, drafters: tuple[str, ...], k: int | str) -> str | None:
+    """The run's own configuration with this drafter (as named by any of `drafters`: the spec it was given as, the
+    name it took) and k, if it measured one (to set beside a prediction)."""
+    return next((c.name for c in run.plan.configs[1:] if c.drafter in drafters and c.k == k), None)
