@@ -1,9 +1,10 @@
 """`specwise predict` against the evaluation it predicts, side by side in one run (issue 35's targets).
 
 For each workload (the built-in release-notes, and benchmarks/data/edits.yaml, which no test and no built-in uses)
-and drafter: `specwise evaluate` with the baseline and the drafter at k=1 and k=4, at concurrency 1 and 4 (the
-measurement), then `specwise predict --from-run` on that run for the same ks (the prediction, costs measured on the
-first call and cached), and a predicted k sweep of 8 values. Over the cells with n ≥ 4 it prints:
+and drafter: `specwise evaluate` with the baseline and the drafter at each of --ks (default k=1, k=4 and adaptive
+k), at concurrency 1 and 4 (the measurement), then `specwise predict --from-run` on that run for the same ks (the
+prediction, costs measured on the first call and cached), and a predicted k sweep of 8 values. Over the cells with
+n ≥ 4 it prints, for every k and for the fixed ks and k=auto apart:
 
 - the mean absolute error of the predicted E2E speedup, as a share of the measured one (target ≤ 10%);
 - the share of cells whose predicted 95% interval covers the measured point (target ≥ 80%);
@@ -12,7 +13,8 @@ first call and cached), and a predicted k sweep of 8 values. Over the cells with
 - evaluate's wall time over predict's, for the same ks (target ≥ 10×) and for the 8-value sweep (target ≥ 30×; the
   sweep's evaluation is estimated as the measured one scaled by the number of configurations it would run).
 
-    python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--tasks 24] [--max-tokens 64] [--keep DIR]
+    python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--ks 1,4,auto] [--tasks 24] [--max-tokens 64]
+                                 [--keep DIR]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def specwise(*args: str) -> tuple[float, str]:
 
 def _evaluate(workload: str, drafter: str, label: str, args: argparse.Namespace, out: Path) -> float:
     t_eval, _ = specwise(
-        "evaluate", "--workload", workload, "--drafter", drafter, "--k", "1,4", "--tasks", str(args.tasks),
+        "evaluate", "--workload", workload, "--drafter", drafter, "--k", args.ks, "--tasks", str(args.tasks),
         "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency, "--out", str(out),
         "--no-progress", "--repeats", "2" if "edits" in label else "1",
     )  # fmt: skip
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--drafters", default="ngram,suffix,layerskip:20")
     ap.add_argument("--tasks", type=int, default=24, help="tasks per workload (the built-in has 24, edits 12)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="1,4,auto", help="the draft lengths evaluated and predicted")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument(
         "--keep",
@@ -65,6 +68,7 @@ def main() -> None:
         "fixed measurements; the evaluate/predict time ratios then compare with the first run's wall time)",
     )
     args = ap.parse_args()
+    runs = 1 + len(args.ks.split(","))  # configurations an evaluation runs: the baseline and one per k
     cells, timing = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for label, workload in WORKLOADS.items():
@@ -79,7 +83,7 @@ def main() -> None:
                 db = str(out / "run.db")
                 specwise("predict", "--from-run", db, "--drafter", drafter, "--k", SWEEP)  # measures the costs once
                 pred = str(out / "p.json")
-                t_pred, _ = specwise("predict", "--from-run", db, "--drafter", drafter, "--k", "1,4", "--json", pred)
+                t_pred, _ = specwise("predict", "--from-run", db, "--drafter", drafter, "--k", args.ks, "--json", pred)
                 t_sweep, _ = specwise("predict", "--from-run", db, "--drafter", drafter, "--k", SWEEP)
                 doc = json.loads((out / "p.json").read_text())
                 timing.append((label, drafter, t_eval, t_pred, t_sweep))
@@ -94,36 +98,42 @@ def main() -> None:
                             "group": c["group"], "n": c["n"], "predicted": p, "measured": m,
                         }
                     )  # fmt: skip
-                print(f"{label:>15} {drafter:>14}: evaluate {t_eval:6.1f} s, predict k=1,4 {t_pred:5.1f} s "
+                print(f"{label:>15} {drafter:>14}: evaluate {t_eval:6.1f} s, predict k={args.ks} {t_pred:5.1f} s "
                       f"({t_eval / t_pred:4.1f}x), predict 8 ks {t_sweep:5.1f} s "
-                      f"({t_eval * 9 / 3 / t_sweep:4.1f}x est.)", flush=True)  # fmt: skip
+                      f"({t_eval * 9 / runs / t_sweep:4.1f}x est.)", flush=True)  # fmt: skip
     print()
-    print(f"{'workload':>15} {'drafter':>14} {'k':>2} {'load':>14} {'group':>12} {'n':>3} "
+    print(f"{'workload':>15} {'drafter':>14} {'k':>4} {'load':>14} {'group':>12} {'n':>3} "
           f"{'predicted [95% CI]':>22} {'measured':>9} {'err':>6}")  # fmt: skip
-    errors, covered, same = [], [], []
     for c in cells:
         p, m = c["predicted"], c["measured"]
-        err = abs(p["value"] - m["value"]) / m["value"]
-        errors.append(err)
-        covered.append(p["lo"] <= m["value"] <= p["hi"])
-        same.append(outcome(p) == outcome(m))
-        print(f"{c['workload']:>15} {c['drafter']:>14} {c['k']:>2} {c['load']:>14} {c['group']:>12} {c['n']:>3} "
-              f"{p['value']:>8.2f}x [{p['lo']:.2f}–{p['hi']:.2f}] {m['value']:>8.2f}x {100 * err:>5.1f}%")  # fmt: skip
+        c["err"] = abs(p["value"] - m["value"]) / m["value"]
+        c["covered"] = p["lo"] <= m["value"] <= p["hi"]
+        c["same"] = outcome(p) == outcome(m)
+        interval = f"{p['value']:>8.2f}x [{p['lo']:.2f}–{p['hi']:.2f}]"
+        print(f"{c['workload']:>15} {c['drafter']:>14} {c['k']:>4} {c['load']:>14} {c['group']:>12} {c['n']:>3} "
+              f"{interval} {m['value']:>8.2f}x {100 * c['err']:>5.1f}%")  # fmt: skip
     if not cells:
         raise SystemExit("no cell with n ≥ 4 was measured: raise --tasks")
-    print()
-    print(f"cells with n ≥ 4: {len(cells)}")
-    print(f"mean absolute error of the predicted E2E speedup: {100 * statistics.mean(errors):.1f}% of the measured "
-          f"(median {100 * statistics.median(errors):.1f}%; target ≤ 10%)")  # fmt: skip
-    print(
-        f"predicted interval covers the measured point: {100 * sum(covered) / len(cells):.0f}% of cells (target ≥ 80%)"
-    )
-    print(f"same outcome class (wins / loses / unclear): {100 * sum(same) / len(cells):.0f}% of cells (target ≥ 90%)")
+    kinds = {"every k": cells, "fixed k": [c for c in cells if c["k"] != "auto"]}
+    kinds["k=auto"] = [c for c in cells if c["k"] == "auto"]
+    for kind, mine in kinds.items():
+        if not mine:
+            continue
+        errors = [c["err"] for c in mine]
+        print()
+        print(f"{kind}: cells with n ≥ 4: {len(mine)}")
+        print(f"  mean absolute error of the predicted E2E speedup: {100 * statistics.mean(errors):.1f}% of the "
+              f"measured (median {100 * statistics.median(errors):.1f}%; target ≤ 10%)")  # fmt: skip
+        covered = 100 * sum(c["covered"] for c in mine) / len(mine)
+        same = 100 * sum(c["same"] for c in mine) / len(mine)
+        print(f"  predicted interval covers the measured point: {covered:.0f}% of cells (target ≥ 80%)")
+        print(f"  same outcome class (wins / loses / unclear): {same:.0f}% of cells (target ≥ 90%)")
     ratios = [t_eval / t_pred for _, _, t_eval, t_pred, _ in timing]
-    sweeps = [t_eval * 9 / 3 / t_sweep for _, _, t_eval, _, t_sweep in timing]
+    sweeps = [t_eval * 9 / runs / t_sweep for _, _, t_eval, _, t_sweep in timing]
     print(
         f"evaluate / predict, same ks: median {statistics.median(ratios):.1f}x (target ≥ 10x); 8-value sweep "
-        f"(evaluation estimated at 9/3 of the measured one): median {statistics.median(sweeps):.1f}x (target ≥ 30x)"
+        f"(evaluation estimated at 9/{runs} of the measured one): median {statistics.median(sweeps):.1f}x "
+        "(target ≥ 30x)"
     )
 
 
