@@ -1,7 +1,8 @@
 """A draft model in a batch: plain against the draft model at k=auto on the same loaded target, in one process.
 
 The built-in `code` workload's tasks (or one --group of them) run with --concurrency requests in flight (a finished
-one is replaced at once), round by round: plain, then drafting. Prints each round's wall time, their ratio, and
+one is replaced at once), the two engines' steps alternating. Prints each round's seconds per engine (its own
+steps'), their ratio, and
 where the draft model's time went — its catch-ups (feeding its cache a new prompt or the output since it last
 drafted) against its drafted tokens — and the costs the engine measured. What `_hold_catch_ups` is for: at
 concurrency 4 on two cores a drafted token cannot pay for itself, so every catch-up there is a loss.
@@ -48,26 +49,32 @@ def main() -> int:
 
     drafter.propose = timed  # type: ignore[method-assign]
 
-    def run(engine: Engine) -> float:
-        queue, t0 = deque(tasks), time.perf_counter()
-        while queue or engine.has_work:
-            while queue and len(engine.waiting) + len(engine.running) < args.concurrency:
-                task = queue.popleft()
-                engine.submit(task.request, SamplingParams(max_new_tokens=task.max_tokens, temperature=0.0))
-            engine.step()
-        return time.perf_counter() - t0
+    def run(engines: list[Engine]) -> list[float]:
+        """The tasks through each engine with --concurrency in flight, the engines' steps alternating (so drift on a
+        shared machine falls on both alike); each engine's seconds are its own steps'."""
+        queues = [deque(tasks) for _ in engines]
+        seconds = [0.0] * len(engines)
+        while any(q or e.has_work for q, e in zip(queues, engines, strict=True)):
+            for i, (queue, engine) in enumerate(zip(queues, engines, strict=True)):
+                while queue and len(engine.waiting) + len(engine.running) < args.concurrency:
+                    task = queue.popleft()
+                    engine.submit(task.request, SamplingParams(max_new_tokens=task.max_tokens, temperature=0.0))
+                if engine.has_work:
+                    t0 = time.perf_counter()
+                    engine.step()
+                    seconds[i] += time.perf_counter() - t0
+        return seconds
 
-    run(plain), run(spec)  # warm up: the first run pays one-time costs and measures the engine's costs
+    run([plain, spec])  # warm up: the first run pays one-time costs and measures the engine's costs
     print(
         f"{target.identity.name} + {args.drafter}, {len(tasks)} code tasks ({args.group or 'every group'}), "
-        f"concurrency {args.concurrency}, greedy"
+        f"concurrency {args.concurrency}, greedy, steps interleaved"
     )
     ratios = []
     for r in range(args.rounds):
         for key in spent:
             spent[key] = 0.0
-        base = run(plain)
-        drafted = run(spec)
+        base, drafted = run([plain, spec])
         ratios.append(base / drafted)
         print(
             f"  round {r + 1}: plain {base:6.2f} s, draft model {drafted:6.2f} s: {base / drafted:5.2f}x; the draft "

@@ -109,7 +109,9 @@ def test_adaptive_replay_follows_the_costs_the_engine_would_see():
         return output[p : p + ke], 0.0
 
     def run(costs, rows, catch_up=None):
-        rule = AdaptiveRule(costs, "d", 0.9, rows, len(output), 4096, catch_up)
+        if catch_up is not None:  # seconds per token the drafter takes to catch up (none: no cache of its own)
+            costs.catch_up_per_token = {"d": catch_up}
+        rule = AdaptiveRule(costs, "d", 0.9, rows, DraftRule(8, len(output), 4096))
         return walk(perfect, 50, output, rule).counts
 
     cheap = run(_costs(0.1), 1)

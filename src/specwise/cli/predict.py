@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     p = predict(run_path, args.drafter, args.k, setup)
     o = p.overhead
     errors = f"{o.error:.0%} one at a time" + (f", {o.batch_error:.0%} at concurrency {o.batch}" if o.batch > 1 else "")
-    text, doc = _summary(p.measured, p.predicted, p.drafter, p.costs, p.open_steps, errors, args.drafter)
+    text, doc = _summary(p.measured, p.predicted, p.drafter, args.drafter, p.costs, p.open_steps, errors)
     doc["step_overhead"] = p.overhead.to_json()
     print(text)
     if args.json:
@@ -304,7 +304,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     """Load the run's target, rebuild each prompt, replay every baseline output for every k with the drafter `spec`;
     measure (or read) the pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
-    from specwise.engine.draft_length import CostModel
+    from specwise.engine.draft_length import CostModel, next_prior
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.replay import (
         AdaptiveRule,
@@ -395,23 +395,20 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         model = CostModel(window=1)
         model.passes = dict(costs.seconds)
         model.draft_per_token = {name: per_token}
+        if guessing:  # a draft model catches up at its prompt pass's rate (a model-free drafter has no cache)
+            fed = sum(g.prompt_seconds for g in guesses_of.values())
+            model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
         for r in ordered:
             assert r.tokens is not None
-            rows = int(load_of[r.load])
-            limit = limits[r.task_id]
+            limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
+            rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit)
             if guessing:
-                g = guesses_of[r.key]
-                catch_up = g.prompt_seconds / max(r.prompt_tokens, 1)
-                rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, rows, limit, engine.max_len, catch_up)
-                out = replay_guesses(g, r.prompt_tokens, r.tokens, rule, per_token)
+                out = replay_guesses(guesses_of[r.key], r.prompt_tokens, r.tokens, rule, per_token)
             else:
-                rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, rows, limit, engine.max_len)
                 out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps))
-            alpha = out.counts.token_acceptance
-            if alpha is not None and out.counts.accepted + out.counts.rejections >= 4:
-                prior = alpha if prior is None else 0.8 * prior + 0.2 * alpha
+            prior = next_prior(prior, out.counts)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
@@ -611,9 +608,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     return costs
 
 
-def _summary(
-    measured, predicted, drafter: str, costs, open_steps: int, error: str = "", spec: str | None = None
-) -> tuple[str, dict]:
+def _summary(measured, predicted, drafter: str, spec: str, costs, open_steps: int, error: str) -> tuple[str, dict]:
     """The prediction for people (per group × load × k, beside what the run measured), and as JSON."""
     from specwise.harness.predict import measured_twin
     from specwise.harness.report import mark
@@ -643,7 +638,7 @@ def _summary(
     for c in a.comparisons:
         k = k_of[c.config]
         row = rows[(c.config, c.load, c.group)]
-        twin = measured_twin(measured, (drafter, spec or drafter), k)
+        twin = measured_twin(measured, (drafter, spec), k)
         m = measured_cells.get((twin, c.load, c.group)) if twin else None
         e = c.e2e_speedup
         shown = f"{m.e2e_speedup.value:>7.2f}x [{m.e2e_speedup.lo:.2f}–{m.e2e_speedup.hi:.2f}]" if m else "—"

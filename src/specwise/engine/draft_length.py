@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from specwise.speccounts import SpecCounts
 from specwise.specs import DEFAULT_K_MAX
 
 CATCH_UP_FREE = 16  # unseen tokens a drafter takes in its stride (the pending token, a bonus, a short gap)
@@ -201,6 +202,30 @@ def repays_catch_up(
         saved = (rows + k) * per_token - seconds
         best = max(best, saved * remaining / (k + 1))
     return best > catch_up
+
+
+def holds_catch_up(costs: CostModel, drafter: str | None, rows: int, k_max: int, unseen: int, remaining: int) -> bool:
+    """Whether a row whose drafter has `unseen` tokens to catch up on must not draft now: more than CATCH_UP_FREE
+    of them, a measured price for catching up, and no draft length that could win it back (`repays_catch_up`).
+    The engine (`Engine._hold_catch_ups`) and the replay of adaptive k (`replay.AdaptiveRule`) both decide here."""
+    if unseen <= CATCH_UP_FREE:
+        return False
+    cost = costs.catch_up_cost(unseen, drafter)
+    return cost is not None and not repays_catch_up(costs, drafter, rows, k_max, remaining, cost)
+
+
+def recent_mean(old: float | None, new: float) -> float:
+    """A moving mean that weighs the newest value by a fifth: the engine's memory of recent requests."""
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
+def next_prior(prior: float | None, counts: SpecCounts) -> float | None:
+    """The acceptance prior adaptive k starts the next request from, after a request with these counts: their
+    per-token acceptance joins the recent mean once at least four draft positions were judged."""
+    alpha = counts.token_acceptance
+    if alpha is None or counts.accepted + counts.rejections < 4:
+        return prior
+    return recent_mean(prior, alpha)
 
 
 def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: CostModel) -> list[int] | None:

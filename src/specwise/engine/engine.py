@@ -23,7 +23,16 @@ import numpy as np
 import torch
 
 from specwise.engine.cache import output_size
-from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, FixedK, plan_batch, repays_catch_up
+from specwise.engine.draft_length import (
+    CATCH_UP_FREE,
+    AdaptiveK,
+    CostModel,
+    FixedK,
+    holds_catch_up,
+    next_prior,
+    plan_batch,
+    recent_mean,
+)
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
 from specwise.engine.kernels import serial_torch
@@ -658,15 +667,13 @@ class Engine:
             if ks[i] == 0 or not isinstance(seq.controller, AdaptiveK) or seq.drafter is None:
                 continue
             lag = getattr(self.drafters[seq.drafter], "lag", None)
-            unseen = lag(seq) if lag is not None else 0
-            cost = self.costs.catch_up_cost(unseen, seq.drafter) if unseen > CATCH_UP_FREE else None
-            if cost is None:
+            if lag is None:
                 continue
             out = len(seq.output_ids)
             remaining = seq.params.max_new_tokens - out
             if self.output_length is not None:
                 remaining = min(remaining, max(round(self.output_length) - out, CATCH_UP_FREE))
-            if not repays_catch_up(self.costs, seq.drafter, rows, seq.controller.k_max, remaining, cost):
+            if holds_catch_up(self.costs, seq.drafter, rows, seq.controller.k_max, lag(seq), remaining):
                 ks[i] = 0
 
     def _draft_len(self, seq: Sequence) -> int:
@@ -742,13 +749,12 @@ class Engine:
         return delta
 
     def _retire(self, seq: Sequence) -> None:
-        alpha = seq.stats.token_acceptance
-        if seq.drafter is not None and alpha is not None and seq.stats.accepted + seq.stats.rejections >= 4:
-            old = self.acceptance.get(seq.drafter)
-            self.acceptance[seq.drafter] = alpha if old is None else 0.8 * old + 0.2 * alpha
+        if seq.drafter is not None:
+            prior = next_prior(self.acceptance.get(seq.drafter), seq.stats)
+            if prior is not None:
+                self.acceptance[seq.drafter] = prior
         if seq.finish_reason in ("stop", "length"):
-            n, old_n = len(seq.output_ids), self.output_length
-            self.output_length = n if old_n is None else 0.8 * old_n + 0.2 * n
+            self.output_length = recent_mean(self.output_length, len(seq.output_ids))
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()

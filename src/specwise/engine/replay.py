@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, plan_batch, repays_catch_up
+from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, holds_catch_up, plan_batch
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Drafter
 from specwise.engine.drafters.draft_model import ModelDrafter
@@ -35,7 +35,6 @@ from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise
 from specwise.engine.sampling import SamplingParams, greedy
 from specwise.speccounts import SpecCounts
-from specwise.specs import DEFAULT_K_MAX
 
 
 @dataclass
@@ -75,12 +74,12 @@ class DraftRule:
 
 
 class AdaptiveRule:
-    """k=auto as the engine decides it (`AdaptiveK`, `Engine._hold_catch_ups`, `plan_batch`) for one request in a
-    batch of `rows` whose other rows are like it (same acceptance, same choice), on given costs: the controller's
-    choice from the acceptance it has seen, within the request's room; held while the drafter's cache lags by more
-    than CATCH_UP_FREE tokens and even perfect acceptance could not win the catch-up back; cut to what pays for the
-    batch's pass. An estimate, not a replay of a run's own choices: the engine decides from timings measured while
-    it runs, and its batches mix requests that accept differently."""
+    """k=auto as the engine decides it (`AdaptiveK`, `draft_length.holds_catch_up`, `plan_batch`) for one request
+    in a batch of `rows` whose other rows are like it (same acceptance, same choice), on given costs: the
+    controller's choice from the acceptance it has seen, within the request's room (`DraftRule`); held while the
+    drafter's cache lags behind by more than it can win back (a drafter without a measured catch-up price in
+    `costs` never is); cut to what pays for the batch's pass. An estimate, not a replay of a run's own choices: the
+    engine decides from timings measured while it runs, and its batches mix requests that accept differently."""
 
     def __init__(
         self,
@@ -88,26 +87,17 @@ class AdaptiveRule:
         drafter: str | None,
         prior_alpha: float,
         rows: int,
-        max_new_tokens: int,
-        max_len: int,
-        catch_up_per_token: float | None = None,
-        k_max: int = DEFAULT_K_MAX,
+        limit: DraftRule,
     ):
-        self.costs, self.drafter, self.rows = costs, drafter, max(rows, 1)
-        self.max_new_tokens, self.max_len, self.k_max = max_new_tokens, max_len, k_max
-        self.catch_up_per_token = catch_up_per_token  # None: the drafter keeps no cache of its own (no lag)
-        self.controller = AdaptiveK(costs, k_max, prior_alpha=prior_alpha, drafter=drafter)
+        self.costs, self.drafter, self.rows, self.limit = costs, drafter, max(rows, 1), limit
+        self.controller = AdaptiveK(costs, limit.k, prior_alpha=prior_alpha, drafter=drafter)
         self.fed = 0  # tokens of prompt + output the drafter's cache holds
 
     def room(self, prompt_len: int, p: int) -> int:
-        k = self.controller.choose()
-        k = max(0, min(k, min(self.max_len - (prompt_len + p), self.max_new_tokens - p) - 1))
-        lag = prompt_len + p - self.fed
-        if k and self.catch_up_per_token is not None and lag > CATCH_UP_FREE:
-            remaining = self.max_new_tokens - p
-            cost = lag * self.catch_up_per_token
-            if not repays_catch_up(self.costs, self.drafter, self.rows, self.k_max, remaining, cost):
-                k = 0
+        k = min(self.controller.choose(), self.limit.room(prompt_len, p))
+        unseen, remaining = prompt_len + p - self.fed, self.limit.max_new_tokens - p
+        if k and holds_catch_up(self.costs, self.drafter, self.rows, self.limit.k, unseen, remaining):
+            k = 0
         if k and self.rows > 1:  # the other rows as this one: a batch of one workload's requests
             planned = plan_batch([(self.controller.alpha, k, self.drafter)] * self.rows, 0, self.costs)
             k = k if planned is None else planned[0]

@@ -113,7 +113,11 @@ class ModelDrafter:
         """Length of the prefix of seq.token_ids the cache already holds (never the last token: we need its logits)."""
         seen, toks = self.seen.get(seq.slot, []), seq.token_ids
         n = min(len(seen), len(toks) - 1)
-        i = 0
+        # Asked every step for every drafting row (and by the engine's catch-up hold): the lists agree but for the
+        # last draft's rejected tokens, so compare in C up to a short tail, and step through the tail alone.
+        i = max(0, n - 2 * LONG_CATCH_UP)
+        if seen[:i] != toks[:i]:
+            i = 0
         while i < n and seen[i] == toks[i]:
             i += 1
         return i
