@@ -20,8 +20,8 @@ With --kernels (a list, or `all`: every variant this CPU runs), part 1 runs spec
 llama.cpp built for the same instruction-set level (scripts/llama-server.sh with LLAMA_LEVEL=avx2|avx512; the native
 build for generic and neon, and for avx2 on a CPU without AVX-512, where native is llama.cpp's best), all in the
 same interleaved run, and part 4 adds per variant: a 9-token verification
-pass against a one-token step (benchmarks/kernels.py's measurement), a served step (`specwise serve`, its own decode
-time) beside a process busy-looping on one core against the idle one, the wall time of the default `specwise
+pass against a one-token step (benchmarks/kernel_passes.py's measurement), a served step (`specwise serve`, its own
+decode time) beside a process busy-looping on one core against the idle one, the wall time of the default `specwise
 evaluate` (the README's main job after setup), and each engine's decode as a fraction of the floor the machine's
 read bandwidth sets for the weights. The targets of the kernels issue are printed as ratios.
 
@@ -480,7 +480,7 @@ def part_four(args, variants: list[str], gguf: Path, results: dict) -> None:
     """Per variant: a 9-token pass against a step, a served step beside a busy neighbour, the default evaluation's
     wall time, decode against the bandwidth floor."""
     import torch
-    from kernels import bandwidth, busy_neighbour, pass_costs
+    from kernel_passes import bandwidth, busy_neighbour, pass_costs
 
     from specwise.engine import load_target
 

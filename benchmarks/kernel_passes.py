@@ -15,7 +15,7 @@ It also measures the machine's read bandwidth with the kernels' own thread pool 
 step (the weights' bytes ÷ bandwidth), and each variant's step as a fraction of that floor. Medians over --rounds.
 benchmarks/engine_vs_llamacpp.py --kernels uses the same measurements beside llama.cpp's.
 
-    python benchmarks/kernels.py [--kernels all|auto|avx2,avx512,...] [--rounds 5] [--threads 2] [--context 256]
+    python benchmarks/kernel_passes.py [--kernels all|auto|avx2,avx512,...] [--rounds 5] [--threads 2] [--context 256]
 """
 
 from __future__ import annotations
