@@ -3,7 +3,9 @@
  * One 32-bit lane is one output column, so no result needs a horizontal sum: the fp32 path broadcasts an input and
  * fuses it into 8 columns at a time; the int8 path multiplies 4 inputs of 8 columns at a time with vpmaddubsw
  * (unsigned weights × signed activations → int16 pairs) and vpmaddwd (pairs → int32). Register blocking: rows
- * × column vectors sized so that accumulators, weights and the broadcast fit the 16 ymm registers. */
+ * × column vectors sized so that accumulators, weights and the broadcast fit the 16 ymm registers; the int8 path
+ * keeps its fp32 accumulators in the tile's output (memory, touched once a 32-block), so that the integer sums of
+ * 5 rows fit and a 9-row verification pass unpacks each weight twice (tiles of 5 + 4) rather than three times. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -53,6 +55,16 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 /* Keeps an accumulator in its register at this point: without it the compiler, free to reassociate integer sums,
  * computes a block's products first and spills them all to the stack (twice the memory traffic, half the speed). */
 #define KEEP(v) __asm__("" : "+x"(v))
+#define SW_TILE_MAX 5 /* the most rows a tile takes */
+/* The fp32 accumulators of the columns a call owns (its NH halves of the block), zeroed in the tile's output. */
+#define ZERO_ACC(COL0, COL1)                                                                              \
+  do {                                                                                                    \
+    for (int r = 0; r < R; r++)                                                                           \
+      for (int hh = h0; hh < h0 + NH; hh++) {                                                             \
+        _mm256_storeu_ps(out + r * 32 + (COL0), _mm256_setzero_ps());                                     \
+        _mm256_storeu_ps(out + r * 32 + (COL1), _mm256_setzero_ps());                                     \
+      }                                                                                                   \
+  } while (0)
 
 #ifndef PF_DIST
 #define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
@@ -102,13 +114,11 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
   const int K = L->k, KB = K / 32;
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[4][2][2];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  ZERO_ACC(8 * hh, 16 + 8 * hh);
   for (int kb = 0; kb < KB; kb++) {
-    __m256i s[4][2][2];
+    float* acc = out;
+    __asm__("" : "+r"(acc)); /* the accumulators stay in memory: no store motion into (too few) registers */
+    __m256i s[SW_TILE_MAX][2][2];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
       #pragma GCC unroll 16
@@ -142,37 +152,31 @@ static inline __attribute__((always_inline)) void q4_rows(const sw_linear* L, in
         const __m256 sx = _mm256_broadcast_ss(X->s + (size_t)r * KB + kb);
         const __m256 i_lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h][0], ones));
         const __m256 i_hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h][1], ones));
-        acc[r][h][0] = _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(i_lo, _mm256_mul_ps(d_lo, dx), acc[r][h][0]));
-        acc[r][h][1] = _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(i_hi, _mm256_mul_ps(d_hi, dx), acc[r][h][1]));
+        float* a_lo = acc + r * 32 + c_lo;
+        float* a_hi = acc + r * 32 + c_hi;
+        _mm256_storeu_ps(a_lo, _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(i_lo, _mm256_mul_ps(d_lo, dx), _mm256_loadu_ps(a_lo))));
+        _mm256_storeu_ps(a_hi, _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(i_hi, _mm256_mul_ps(d_hi, dx), _mm256_loadu_ps(a_hi))));
       }
     }
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) {
-      _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
-      _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
-    }
 }
 
 /* Q5 and Q6 (BITS = 5, 6), R rows × NH halves of the block as Q4's. The high bits come from the planes (bit g of a
  * plane byte: group g's value), shifted into place. A vpmaddubsw result is at most 2·63·127, so each group's pairs
  * go to int32 at once (vpmaddwd), as Q8's. Q6 takes each 16-half (groups 0-3, 4-7) into the accumulators with its
- * integer sub-scale: sc · (Σq·x − 32·Σx of the half). */
+ * integer sub-scale: sc · (Σq·x − 32·Σx of the half), as (float)sc · (float)Σ — exact, the product being below 2^24
+ * in magnitude (16 · 32 · 127 · 128), and cheaper than vpmulld. */
 static inline __attribute__((always_inline)) void qh_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
                                                           const int h0, const int NH, const int R, const int BITS) {
   const int K = L->k, KB = K / 32;
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
   const uint8_t* H = (const uint8_t*)L->h + (size_t)blk * KB * (BITS == 5 ? 128 : 256);
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[4][2][2];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  ZERO_ACC(8 * hh, 16 + 8 * hh);
   for (int kb = 0; kb < KB; kb++) {
-    __m256i s[4][2][2];
+    float* acc = out;
+    __asm__("" : "+r"(acc)); /* the accumulators stay in memory: no store motion into (too few) registers */
+    __m256i s[SW_TILE_MAX][2][2];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
       #pragma GCC unroll 16
@@ -207,17 +211,20 @@ static inline __attribute__((always_inline)) void qh_rows(const sw_linear* L, in
         #pragma GCC unroll 16
         for (int h = 0; h < NH; h++) {
           const int c_lo = 8 * (h0 + h), c_hi = 16 + 8 * (h0 + h);
-          const __m256i sc_lo = subscales8(L, blk, kb, half, c_lo), sc_hi = subscales8(L, blk, kb, half, c_hi);
+          const __m256 sc_lo = _mm256_cvtepi32_ps(subscales8(L, blk, kb, half, c_lo));
+          const __m256 sc_hi = _mm256_cvtepi32_ps(subscales8(L, blk, kb, half, c_hi));
           const __m256 d_lo = scales8(L, 0, blk, kb, c_lo), d_hi = scales8(L, 0, blk, kb, c_hi);
           #pragma GCC unroll 16
           for (int r = 0; r < R; r++) {
             const int32_t first = X->half[(size_t)r * KB + kb];
             const __m256i off = _mm256_set1_epi32(32 * (half ? X->sum[(size_t)r * KB + kb] - first : first));
             const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
-            const __m256i i_lo = _mm256_mullo_epi32(sc_lo, _mm256_sub_epi32(s[r][h][0], off));
-            const __m256i i_hi = _mm256_mullo_epi32(sc_hi, _mm256_sub_epi32(s[r][h][1], off));
-            acc[r][h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_lo), _mm256_mul_ps(d_lo, dx), acc[r][h][0]);
-            acc[r][h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_hi), _mm256_mul_ps(d_hi, dx), acc[r][h][1]);
+            const __m256 i_lo = _mm256_mul_ps(sc_lo, _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][h][0], off)));
+            const __m256 i_hi = _mm256_mul_ps(sc_hi, _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][h][1], off)));
+            float* a_lo = acc + r * 32 + c_lo;
+            float* a_hi = acc + r * 32 + c_hi;
+            _mm256_storeu_ps(a_lo, _mm256_fmadd_ps(i_lo, _mm256_mul_ps(d_lo, dx), _mm256_loadu_ps(a_lo)));
+            _mm256_storeu_ps(a_hi, _mm256_fmadd_ps(i_hi, _mm256_mul_ps(d_hi, dx), _mm256_loadu_ps(a_hi)));
             s[r][h][0] = s[r][h][1] = _mm256_setzero_si256();
           }
         }
@@ -233,18 +240,15 @@ static inline __attribute__((always_inline)) void qh_rows(const sw_linear* L, in
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
         const __m256 sx = _mm256_broadcast_ss(X->s + (size_t)r * KB + kb);
-        acc[r][h][0] = _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d_lo, dx), acc[r][h][0]));
-        acc[r][h][1] = _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]), _mm256_mul_ps(d_hi, dx), acc[r][h][1]));
+        float* a_lo = acc + r * 32 + c_lo;
+        float* a_hi = acc + r * 32 + c_hi;
+        _mm256_storeu_ps(a_lo, _mm256_fmadd_ps(m_lo, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]),
+                                                                        _mm256_mul_ps(d_lo, dx), _mm256_loadu_ps(a_lo))));
+        _mm256_storeu_ps(a_hi, _mm256_fmadd_ps(m_hi, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]),
+                                                                        _mm256_mul_ps(d_hi, dx), _mm256_loadu_ps(a_hi))));
       }
     }
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) {
-      _mm256_storeu_ps(out + r * 32 + 8 * (h0 + h), acc[r][h][0]);
-      _mm256_storeu_ps(out + r * 32 + 16 + 8 * (h0 + h), acc[r][h][1]);
-    }
 }
 
 static inline __attribute__((always_inline)) void q5_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
@@ -263,13 +267,11 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
   const int K = L->k, KB = K / 32;
   const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[4][2][2];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
+  ZERO_ACC(16 * hh, 16 * hh + 8);
   for (int kb = 0; kb < KB; kb++) {
-    __m256i s[4][2][2];
+    float* acc = out;
+    __asm__("" : "+r"(acc)); /* the accumulators stay in memory: no store motion into (too few) registers */
+    __m256i s[SW_TILE_MAX][2][2];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
       #pragma GCC unroll 16
@@ -302,25 +304,20 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       #pragma GCC unroll 16
       for (int r = 0; r < R; r++) {
         const __m256 dx = _mm256_broadcast_ss(X->d + (size_t)r * KB + kb);
-        acc[r][h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d0, dx), acc[r][h][0]);
-        acc[r][h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]), _mm256_mul_ps(d1, dx), acc[r][h][1]);
+        float* a0 = acc + r * 32 + 16 * (h0 + h);
+        _mm256_storeu_ps(a0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][0]), _mm256_mul_ps(d0, dx), _mm256_loadu_ps(a0)));
+        _mm256_storeu_ps(a0 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][1]), _mm256_mul_ps(d1, dx), _mm256_loadu_ps(a0 + 8)));
       }
     }
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    #pragma GCC unroll 16
-    for (int h = 0; h < NH; h++) {
-      _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h), acc[r][h][0]);
-      _mm256_storeu_ps(out + r * 32 + 16 * (h0 + h) + 8, acc[r][h][1]);
-    }
 }
 
 /* A tile of one or two rows sweeps both halves of the block at once (each weight line is read once, the broadcast
  * serves both); larger tiles one half at a time, the block's weights coming from L1 the second time. */
 #ifndef ROWS_TILE
-#define ROWS_TILE 4
+#define ROWS_TILE 5 /* rows a tile: two integer sums a row in registers */
 #endif
+_Static_assert(ROWS_TILE == 4 || ROWS_TILE == SW_TILE_MAX, "sw_int8_tile has a case for each R below ROWS_TILE");
 const int sw_int8_tile_rows = ROWS_TILE;
 
 #define HALVES(KERNEL, R)                                                      \
@@ -337,6 +334,7 @@ void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* 
     case 1: HALVES(KERNEL, 1); break;                  \
     case 2: HALVES(KERNEL, 2); break;                  \
     case 3: HALVES(KERNEL, 3); break;                  \
+    case 4: HALVES(KERNEL, 4); break;                  \
     default: HALVES(KERNEL, ROWS_TILE); break;         \
   }
   switch (L->fmt) {

@@ -4,7 +4,10 @@
  * One 32-bit lane is one output column, so one register covers half a 32-column block and one 64-byte load of Q4
  * weights covers a whole 4-input group of the block (low nibbles: columns 0-15, high: 16-31). With VNNI, vpdpbusd
  * multiplies and sums 4 unsigned × signed bytes into each int32 lane; without it, vpmaddubsw + vpmaddwd do the
- * same in two steps. Both give the same integers, so the same results. */
+ * same in two steps. Both give the same integers, so the same results. The int8 path keeps a tile's fp32
+ * accumulators in its output (memory, touched once a 32-block) and only the integer sums in registers: 9 rows fit,
+ * so a k=8 verification pass unpacks each weight once (with the accumulators in registers, 6 rows fit and a 9-row
+ * pass took 1.26x as long on an Intel Xeon). */
 #include <immintrin.h>
 #include <string.h>
 
@@ -60,18 +63,20 @@ void sw_f32_block(const float* tile, int kc, const float* x, int ldx, int M, flo
 /* ------------------------------------------------------------------------------------- int8 activations */
 
 #ifndef ROWS_TILE
-#define ROWS_TILE 6 /* rows sharing each weight register: 4 accumulators a row, 32 registers */
+#define ROWS_TILE 9 /* rows sharing each weight register: 2 integer sums a row in registers */
 #endif
+#define SW_TILE_MAX 9 /* the most rows a tile takes */
+_Static_assert(ROWS_TILE == 8 || ROWS_TILE == SW_TILE_MAX, "sw_int8_tile has a case for each R below ROWS_TILE");
 #ifndef PF_DIST
 #define PF_DIST 4096 /* software prefetch distance in a block's weight stream, bytes */
 #endif
 
-static inline __m512 half16(const void* base, size_t at) {
+static inline __attribute__((always_inline)) __m512 half16(const void* base, size_t at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + at)));
 }
 
 /* Columns c0..c0+15 of 32-block kb's scale (which = 0) or min (1) as fp32, in the layer's encoding (sw_scale). */
-static inline __m512 scales16(const sw_linear* L, int which, int blk, int kb, int c0) {
+static inline __attribute__((always_inline)) __m512 scales16(const sw_linear* L, int which, int blk, int kb, int c0) {
   const void* base = which ? L->m : L->d;
   switch (L->scales) {
     case SW_SCALES_F16: return half16(base, sw_at32(L, blk, kb, c0));
@@ -86,11 +91,11 @@ static inline __m512 scales16(const sw_linear* L, int which, int blk, int kb, in
 }
 
 /* Q6's integer sub-scales of columns c0..c0+15 for 16-half h of 32-block kb. */
-static inline __m512i subscales16(const sw_linear* L, int blk, int kb, int h, int c0) {
+static inline __attribute__((always_inline)) __m512i subscales16(const sw_linear* L, int blk, int kb, int h, int c0) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)L->d + sw_at16(L, blk, kb, h, c0))));
 }
 
-static inline __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
+static inline __attribute__((always_inline)) __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every 32-bit lane */
   int32_t v;
   memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
@@ -107,9 +112,12 @@ static inline __m512i bcast4(const int8_t* p) { /* 4 activation bytes into every
 /* Q4, Q5 and Q6 (BITS = 4, 5, 6), R rows × the whole block (low nibbles: columns 0-15, high: 16-31). Q5's and Q6's
  * high bits come from their planes: bit g of a plane byte is the bit of group g's value, tested into a byte mask
  * and added in (the nibble leaves those bits clear). Q6 sums each 16-half on its own (groups 0-3, 4-7) and takes
- * it into the accumulator with its integer sub-scale, Σ(q − 32)·x = Σq·x − 32·Σx of the half. */
-static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
-                                                          const int R, const int BITS) {
+ * it into the accumulator with its integer sub-scale, Σ(q − 32)·x = Σq·x − 32·Σx of the half; sc·that is below
+ * 2^24 in magnitude (16 · 32 · 127 · 128), so (float)sc · (float)Σ is the exact integer product as a float.
+ * The fp32 accumulators live in the tile's output (memory), so that the integer sums of up to 9 rows keep the
+ * registers: one pass over the weights for a 9-row verification pass. */
+static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, int blk, const sw_qrows* X,
+                                                          float* restrict out, const int R, const int BITS) {
   const int K = L->k, KB = K / 32;
   const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
   const uint8_t* H = BITS > 4 ? (const uint8_t*)L->h + (size_t)blk * KB * (BITS == 5 ? 128 : 256) : NULL;
@@ -117,24 +125,19 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
 #if !defined(__AVX512VNNI__)
   const __m512i ones = _mm512_set1_epi16(1);
 #endif
-  __m512 acc[6][2];
   #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(out + r * 32, _mm512_setzero_ps());
+    _mm512_storeu_ps(out + r * 32 + 16, _mm512_setzero_ps());
+  }
   for (int kb = 0; kb < KB; kb++) {
-    __m512i s[6][2];
+    float* acc = out;
+    __asm__("" : "+r"(acc)); /* the accumulators stay in memory: no store motion into (too few) registers */
+    __m512i s[SW_TILE_MAX][2];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     const uint8_t* wb = W + (size_t)kb * 8 * 64;
-    __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0;
-    if (BITS > 4) {
-      const uint8_t* hb = H + (size_t)kb * (BITS == 5 ? 128 : 256);
-      h0 = _mm512_loadu_si512((const void*)hb); /* bit 4, low nibbles' values */
-      h1 = _mm512_loadu_si512((const void*)(hb + 64)); /* bit 4, high nibbles' */
-      if (BITS == 6) {
-        h2 = _mm512_loadu_si512((const void*)(hb + 128)); /* bit 5, low */
-        h3 = _mm512_loadu_si512((const void*)(hb + 192)); /* bit 5, high */
-      }
-    }
+    const uint8_t* hb = BITS > 4 ? H + (size_t)kb * (BITS == 5 ? 128 : 256) : NULL;
     #pragma GCC unroll 16
     for (int g = 0; g < 8; g++) {
       _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
@@ -142,11 +145,11 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
       __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
       if (BITS > 4) {
         const __m512i bit = _mm512_set1_epi8((char)(1 << g));
-        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h0, bit), lo, b16);
-        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h1, bit), hi, b16);
+        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)hb), bit), lo, b16);
+        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 64)), bit), hi, b16);
         if (BITS == 6) {
-          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h2, bit), lo, b32);
-          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h3, bit), hi, b32);
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 128)), bit), lo, b32);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 192)), bit), hi, b32);
         }
       }
       #pragma GCC unroll 16
@@ -157,17 +160,19 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
       }
       if (BITS == 6 && (g == 3 || g == 7)) { /* a 16-half done: sc · (Σq·x − 32·Σx) into the accumulators */
         const int h = g / 4;
-        const __m512i sc0 = subscales16(L, blk, kb, h, 0), sc1 = subscales16(L, blk, kb, h, 16);
+        const __m512 sc0 = _mm512_cvtepi32_ps(subscales16(L, blk, kb, h, 0));
+        const __m512 sc1 = _mm512_cvtepi32_ps(subscales16(L, blk, kb, h, 16));
         const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
         #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           const int32_t first = X->half[(size_t)r * KB + kb];
           const __m512i off = _mm512_set1_epi32(32 * (h ? X->sum[(size_t)r * KB + kb] - first : first));
           const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
-          const __m512i i0 = _mm512_mullo_epi32(sc0, _mm512_sub_epi32(s[r][0], off));
-          const __m512i i1 = _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s[r][1], off));
-          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), acc[r][1]);
+          const __m512 i0 = _mm512_mul_ps(sc0, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][0], off)));
+          const __m512 i1 = _mm512_mul_ps(sc1, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][1], off)));
+          _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(i0, _mm512_mul_ps(d0, dx), _mm512_loadu_ps(acc + r * 32)));
+          _mm512_storeu_ps(acc + r * 32 + 16,
+                           _mm512_fmadd_ps(i1, _mm512_mul_ps(d1, dx), _mm512_loadu_ps(acc + r * 32 + 16)));
           s[r][0] = s[r][1] = _mm512_setzero_si512();
         }
       }
@@ -178,14 +183,11 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]), sx = _mm512_set1_ps(X->s[(size_t)r * KB + kb]);
-      acc[r][0] = _mm512_fmadd_ps(m0, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]));
-      acc[r][1] = _mm512_fmadd_ps(m1, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]));
+      const __m512 a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), _mm512_loadu_ps(acc + r * 32));
+      const __m512 a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), _mm512_loadu_ps(acc + r * 32 + 16));
+      _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(m0, sx, a0));
+      _mm512_storeu_ps(acc + r * 32 + 16, _mm512_fmadd_ps(m1, sx, a1));
     }
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(out + r * 32, acc[r][0]);
-    _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
   }
 }
 
@@ -205,7 +207,7 @@ static inline __attribute__((always_inline)) void q6_rows(const sw_linear* L, in
 /* Q8, R rows × the whole block (two vectors of 16 columns). With VNNI the signed weights go in offset by 128
  * (w ^ 0x80 as unsigned) and 128·Σq of the block's activations is taken back out; without it, vpmaddubsw takes
  * |w| and the activations negated where w < 0. Both are the exact integer Σ qw·qx. */
-static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, int blk, const sw_qrows* X, float* out,
+static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, int blk, const sw_qrows* X, float* restrict out,
                                                           const int R) {
   const int K = L->k, KB = K / 32;
   const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
@@ -214,11 +216,15 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
 #else
   const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
 #endif
-  __m512 acc[6][2];
   #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(out + r * 32, _mm512_setzero_ps());
+    _mm512_storeu_ps(out + r * 32 + 16, _mm512_setzero_ps());
+  }
   for (int kb = 0; kb < KB; kb++) {
-    __m512i s[6][2];
+    float* acc = out;
+    __asm__("" : "+r"(acc)); /* the accumulators stay in memory: no store motion into (too few) registers */
+    __m512i s[SW_TILE_MAX][2];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
     const int8_t* wb = W + (size_t)kb * 8 * 128;
@@ -256,14 +262,11 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
       s[r][0] = _mm512_sub_epi32(s[r][0], off);
       s[r][1] = _mm512_sub_epi32(s[r][1], off);
 #endif
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]);
+      _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx),
+                                                     _mm512_loadu_ps(acc + r * 32)));
+      _mm512_storeu_ps(acc + r * 32 + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx),
+                                                          _mm512_loadu_ps(acc + r * 32 + 16)));
     }
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(out + r * 32, acc[r][0]);
-    _mm512_storeu_ps(out + r * 32 + 16, acc[r][1]);
   }
 }
 
@@ -277,6 +280,9 @@ void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* 
     case 3: KERNEL(L, blk, X, out, 3); break;            \
     case 4: KERNEL(L, blk, X, out, 4); break;            \
     case 5: KERNEL(L, blk, X, out, 5); break;            \
+    case 6: KERNEL(L, blk, X, out, 6); break;            \
+    case 7: KERNEL(L, blk, X, out, 7); break;            \
+    case 8: KERNEL(L, blk, X, out, 8); break;            \
     default: KERNEL(L, blk, X, out, ROWS_TILE); break;   \
   }
   switch (L->fmt) {

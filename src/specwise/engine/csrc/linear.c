@@ -213,7 +213,7 @@ static inline sw_qrows rows_from(const sw_qrows* X, int r) {
 }
 
 /* The int8 path's M rows of column block blk, in tiles of at most the variant's sw_int8_tile_rows, as even as M
- * allows (9 rows in tiles of 6: 5 + 4, not 6 + 3). A tile's rows share each weight load; which tile a row is in
+ * allows (10 rows in tiles of 9: 5 + 5, not 9 + 1). A tile's rows share each weight load; which tile a row is in
  * never changes its arithmetic. */
 static void int8_block(const sw_linear* L, int blk, const sw_qrows* X, int M, float* out) {
   const int tiles = (M + sw_int8_tile_rows - 1) / sw_int8_tile_rows;
