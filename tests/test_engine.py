@@ -17,6 +17,7 @@ from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine.draft_length import AdaptiveK, CostModel
 from specwise.engine.drafters import Draft
 
+COPYING = "one two three four five six seven, one two three four five six seven, one two three four five six seven, one"
 PROMPTS = [
     "abc abc abc ab",
     "the cat sat on the mat. the cat sat on",
@@ -108,10 +109,10 @@ def test_a_draft_models_prompt_prefill_is_not_what_its_drafted_tokens_cost(tiny,
 
     forward = ModelDrafter._forward
 
-    def slow_on_prompts(self, rows):
+    def slow_on_prompts(self, rows, outs=None):
         if any(len(toks) > LONG_CATCH_UP for _, toks, _ in rows):
             time.sleep(0.5)  # a prompt prefill that costs far more than drafting a token
-        return forward(self, rows)
+        return forward(self, rows, outs)
 
     monkeypatch.setattr(ModelDrafter, "_forward", slow_on_prompts)
     engine = Engine(tiny, drafter=f"model:{tiny_dir}", k=1)
@@ -122,6 +123,45 @@ def test_a_draft_models_prompt_prefill_is_not_what_its_drafted_tokens_cost(tiny,
     name = next(iter(engine.drafters))
     assert engine.drafters[name].one_off_seconds == 0.0  # the last propose had nothing to catch up on alone
     assert engine.costs.draft_per_token[name] < 0.1  # the prompt's 0.5 s is not in it
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "coupled", "rejection"])
+def test_a_draft_models_guesses_give_its_own_drafts_in_fewer_passes(embedded, monkeypatch, sampling):
+    """Feeding a guess of the draft's continuation (the text's last n-gram continued) changes no draft token and no
+    q — the draft takes a guessed token only where it would have drawn it — and drafts that copy take fewer passes."""
+    from specwise.engine.drafters.draft_model import ModelDrafter
+
+    propose, forward = ModelDrafter.propose, ModelDrafter._forward
+    seen: dict[bool, list] = {}
+    passes: dict[bool, int] = {}
+
+    def recording(self, seqs, ks):
+        drafts = propose(self, seqs, ks)
+        seen[self.guess] += [(d.tokens, None if d.probs is None else d.probs.clone()) for d in drafts]
+        return drafts
+
+    def counting(self, rows, outs=None):
+        passes[self.guess] += 1
+        return forward(self, rows, outs)
+
+    monkeypatch.setattr(ModelDrafter, "propose", recording)
+    monkeypatch.setattr(ModelDrafter, "_forward", counting)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, seed=3)
+    if sampling != "greedy":
+        params = SamplingParams(max_new_tokens=48, ignore_eos=True, seed=3, temperature=0.8)
+    outputs = {}
+    for guess in (True, False):
+        seen[guess], passes[guess] = [], 0
+        verify = "coupled" if sampling == "coupled" else "rejection"
+        engine = Engine(embedded, drafter="model:smollm2-135m", k=6, verify=verify)
+        next(iter(engine.drafters.values())).guess = guess
+        outputs[guess] = [r.token_ids for r in engine.generate([COPYING, COPYING[:-9]], params)]
+    assert outputs[True] == outputs[False]
+    assert len(seen[True]) == len(seen[False]) > 0
+    for (a, qa), (b, qb) in zip(seen[True], seen[False], strict=True):
+        assert a == b
+        assert (qa is None) == (qb is None) and (qa is None or torch.equal(qa, qb))
+    assert passes[True] < passes[False]
 
 
 def test_stats_are_consistent(tiny):

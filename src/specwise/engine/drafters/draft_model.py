@@ -4,6 +4,10 @@ The drafter keeps its own KV cache, one row per engine slot, and remembers which
 each call it feeds what it has not seen (the prompt on the first call; afterwards the accepted tokens and the
 recovered or bonus one), then samples k tokens one at a time with the request's own sampling settings, keeping the
 distribution of each (q for rejection sampling). A rejected token's cache entries are simply written over next time.
+Each pass also feeds a guess of how the draft goes on — the text's own continuation of its last n-gram, as the
+n-gram drafter would propose — and the draft takes the logits after each guessed token for as long as it picks that
+token: the same drafts and distributions as one token at a time (a row's logits do not depend on the rows beside
+it), in one pass instead of k when the draft copies, as it does in edits.
 Catching up alone on a long run of unseen tokens (a new prompt, or the output since drafting was last on) is a
 one-off, not what a drafted token costs: `one_off_seconds` and `one_off_tokens` tell the engine's cost model to leave
 it out and what catching up costs per token, and `lag` tells the engine how much a row would have to catch up on.
@@ -21,11 +25,13 @@ import torch
 from specwise.engine.cache import CausalLM
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Draft, SequenceView
+from specwise.engine.drafters.ngram import lookup
 from specwise.engine.noise import DRAFT
 from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
 
 S = TypeVar("S")
 LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
+GUESS_NGRAM = 3  # the longest n-gram a guess of the draft's continuation matches (ngram.lookup)
 
 
 def choose(seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, np.ndarray | None]:
@@ -74,9 +80,17 @@ class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
     def __init__(
-        self, model: CausalLM, name: str, num_slots: int, cache_len: int, extra_weight_bytes: int, identity=None
+        self,
+        model: CausalLM,
+        name: str,
+        num_slots: int,
+        cache_len: int,
+        extra_weight_bytes: int,
+        identity=None,
+        guess: bool = True,
     ):
         self.model, self.name = model, name
+        self.guess = guess  # feed a guess of the draft's continuation with each pass (the same drafts, fewer passes)
         self.vocab = model if isinstance(model, DraftVocab) else None  # a reduced draft vocabulary, or every id
         self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
         self.cache = model.new_cache(num_slots, cache_len)
@@ -126,58 +140,101 @@ class ModelDrafter:
         """Tokens of `seq` this drafter must feed its cache before it can draft for it."""
         return len(seq.token_ids) - self._unseen(seq)
 
-    def _forward(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """rows of (slot, tokens, start position) → each row's last-token logits (B, V), in one pass."""
+    def _forward(self, rows: list[tuple[int, list[int], int]], outs: list[list[int]] | None = None) -> list:
+        """rows of (slot, tokens, start position) → each row's logits at its offsets outs[i] (default: its last
+        token), (len(outs[i]), V) per row, in one pass."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last: list[int] = []
-        for slot, toks, start in rows:
+        picks: list[int] = []
+        counts: list[int] = []
+        for r, (slot, toks, start) in enumerate(rows):
+            at = [len(toks) - 1] if outs is None else outs[r]
+            picks += [len(tokens) + a for a in at]
+            counts.append(len(at))
             tokens += toks
             positions += range(start, start + len(toks))
             slots += [slot] * len(toks)
-            last.append(len(tokens) - 1)
         dev = self.device
-        return self.model.forward_tokens(
+        logits = self.model.forward_tokens(
             self.cache,
             torch.tensor(tokens, device=dev),
             torch.tensor(positions, device=dev),
             torch.tensor(slots, device=dev),
-            torch.tensor(last),
+            torch.tensor(picks),
         )
+        return list(torch.split(logits, counts))
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Draft]:
         active = [i for i, k in enumerate(ks) if k > 0]
-        # 1. Catch up on unseen tokens; new prompts alone, the rest batched.
-        pending = {}
+        drafts = [Draft([], None) for _ in seqs]
+        probs: list[list[np.ndarray]] = [[] for _ in seqs]
+        # 1. Catch up on unseen tokens; new prompts alone (a one-off), the rest batched with their first guesses.
+        feed: dict[int, tuple[list[int], int]] = {}  # row → (tokens to feed, the position of the first)
         for i in active:
             seq = seqs[i]
             if self.vocab is not None and not self.vocab.admitted(seq.slot):
                 self.vocab.admit(seq.slot, seq.token_ids[: seq.prompt_len])
             start = self._unseen(seq)
-            pending[i] = (seq.slot, seq.token_ids[start:], start)
+            feed[i] = (list(seq.token_ids[start:]), start)
             self.seen[seq.slot] = list(seq.token_ids[:start])
-        long_rows = [i for i in active if len(pending[i][1]) > LONG_CATCH_UP]
-        groups = [[i] for i in long_rows] + [[i for i in active if i not in long_rows]]
-        last_logits: dict[int, torch.Tensor] = {}
         self.one_off_seconds, self.one_off_tokens = 0.0, 0
-        for group in groups:
-            if group:
-                t0 = time.perf_counter()
-                for i, row in zip(group, self._forward([pending[i] for i in group]), strict=False):
-                    last_logits[i] = row
-                if len(group) == 1 and group[0] in long_rows:
-                    self.one_off_seconds += time.perf_counter() - t0
-                    self.one_off_tokens += len(pending[group[0]][1])
-        for i in active:
-            self.seen[seqs[i].slot] += pending[i][1]
+        for i in [i for i in active if len(feed[i][0]) > LONG_CATCH_UP]:
+            t0 = time.perf_counter()
+            toks, start = feed.pop(i)
+            logits = self._forward([(seqs[i].slot, toks, start)], [[len(toks) - 1]])[0]
+            self.seen[seqs[i].slot] += toks
+            self.one_off_seconds += time.perf_counter() - t0
+            self.one_off_tokens += len(toks)
+            self._walk(seqs[i], ks[i], logits, [], drafts[i], probs[i])
+            if len(drafts[i].tokens) < ks[i]:
+                feed[i] = ([drafts[i].tokens[-1]], len(self.seen[seqs[i].slot]))
+        # 2. Draft: each pass feeds a row's unseen tokens and then a guess of how the draft goes on (the text's own
+        # continuation of its last n-gram, ngram.lookup); the guess's logits are the draft's next steps for as long
+        # as the draft picks the guessed tokens, so a draft that copies costs one pass, not one per token.
+        while feed:
+            rows = list(feed)
+            guesses = {i: self._guess(seqs[i], drafts[i].tokens, ks[i]) for i in rows}
+            outs = self._forward(
+                [(seqs[i].slot, feed[i][0] + guesses[i], feed[i][1]) for i in rows],
+                [list(range(len(feed[i][0]) - 1, len(feed[i][0]) + len(guesses[i]))) for i in rows],
+            )
+            nxt = {}
+            for i, logits in zip(rows, outs, strict=True):
+                slot = seqs[i].slot
+                self.seen[slot] += feed[i][0]
+                used = self._walk(seqs[i], ks[i], logits, guesses[i], drafts[i], probs[i])
+                self.seen[slot] += guesses[i][:used]  # the guessed tokens the draft took: their entries are its own
+                if len(drafts[i].tokens) < ks[i]:
+                    nxt[i] = ([drafts[i].tokens[-1]], len(self.seen[slot]))
+            feed = nxt
+        for d, p in zip(drafts, probs, strict=True):
+            if p:
+                d.probs = torch.from_numpy(np.stack(p))  # (k, V)
+        return drafts
 
-        # 2. Draft one token at a time for the rows that still want more.
-        def step(wanting: list[int], drafts: list[Draft], _: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-            rows = [(seqs[i].slot, [drafts[i].tokens[-1]], len(self.seen[seqs[i].slot])) for i in wanting]
-            out = dict(zip(wanting, self._forward(rows), strict=False))
-            for i in wanting:
-                self.seen[seqs[i].slot].append(drafts[i].tokens[-1])
-            return out
+    def _guess(self, seq: SequenceView, drafted: list[int], k: int) -> list[int]:
+        """Up to k − len(drafted) − 1 tokens the draft may go on with: the continuation of the latest earlier
+        occurrence of the text's last n-gram (n = 3 down to 2), as the n-gram drafter proposes."""
+        want = k - len(drafted) - 1
+        if want <= 0 or not self.guess:
+            return []
+        return lookup(np.asarray(seq.token_ids + drafted), want, GUESS_NGRAM, 2)
 
-        return chain(seqs, ks, last_logits, choose, step)
+    @staticmethod
+    def _walk(
+        seq: SequenceView, k: int, logits: torch.Tensor, guess: list[int], draft: Draft, probs: list[np.ndarray]
+    ) -> int:
+        """Draft tokens from logits (row j: the draft's next distribution after guess[:j]) while the draft picks
+        the guessed token; the number of guessed tokens it took."""
+        j = 0
+        while len(draft.tokens) < k:
+            token, q = choose(seq, logits[j], len(draft.tokens))
+            draft.tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if j < len(guess) and token == guess[j] and j + 1 < len(logits):
+                j += 1
+            else:
+                break
+        return j
