@@ -194,7 +194,9 @@ class ModelDrafter:
         # as the draft picks the guessed tokens, so a draft that copies costs one pass, not one per token.
         while feed:
             rows = list(feed)
-            guesses = {i: self._guess(seqs[i], drafts[i].tokens, ks[i]) for i in rows}
+            # Alone, a guess's rows are nearly free (the pass streams the draft's weights anyway); beside other rows
+            # they are not (a batch of 4 with guesses: 0.93x plain on the edits, against 0.99x without).
+            guesses = {i: self._guess(seqs[i], drafts[i].tokens, ks[i]) if len(rows) == 1 else [] for i in rows}
             outs = self._forward(
                 [(seqs[i].slot, feed[i][0] + guesses[i], feed[i][1]) for i in rows],
                 [list(range(len(feed[i][0]) - 1, len(feed[i][0]) + len(guesses[i]))) for i in rows],
