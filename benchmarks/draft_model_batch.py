@@ -85,8 +85,10 @@ def main() -> int:
     costs = spec.costs
     print("  measured pass costs (ms by tokens):", {t: round(s * 1000, 1) for t, s in sorted(costs.passes.items())})
     print(
-        "  a drafted token (ms):",
+        "  a drafted token (ms), one row drafting:",
         {d: round(s * 1000, 2) for d, s in costs.draft_per_token.items()},
+        "several:",
+        {d: round(s * 1000, 2) for d, s in costs.draft_per_token_shared.items()},
         "catching up a token (ms):",
         {d: round(s * 1000, 2) for d, s in costs.catch_up_per_token.items()},
     )

@@ -225,7 +225,7 @@ class FrozenCosts(CostModel):
     def observe_pass(self, tokens, seconds):
         pass
 
-    def observe_draft(self, tokens, seconds, drafter=None):
+    def observe_draft(self, tokens, seconds, drafter=None, rows=1):
         pass
 
 
@@ -293,6 +293,27 @@ def test_plan_batch_spends_draft_tokens_where_they_pay_for_the_pass():
     dear = FrozenCosts(per_token=0.5)  # each extra token costs half a step: only near-certain drafts pay
     assert plan_batch([(0.9, 4, None), (0.5, 4, None)], 6, dear)[1] == 0
     assert plan_batch([(0.9, 4, None)], 0, CostModel()) is None  # nothing measured: no plan
+
+
+def test_a_drafted_token_is_priced_apart_for_one_row_and_for_several():
+    """A draft model guesses only for a row drafting alone, so its drafted token is cheap there and dear beside
+    others: a batch's tail drafting alone must not make the full batch's drafting look cheap (0.96x plain on the
+    Qwen pair at concurrency 4 while one price served both)."""
+    from specwise.engine.draft_length import plan_batch
+
+    costs = CostModel(window=1)
+    for t in range(1, 40):
+        costs.observe_pass(t, 1.0 + 0.1 * (t - 1))
+    costs.observe_draft(4, 4 * 0.01, "m", rows=1)  # alone: a hundredth of a pass per drafted token
+    assert costs.draft_cost(3, "m", 4) == pytest.approx(0.03)  # the shared price stands in until measured
+    costs.observe_draft(4, 4 * 0.6, "m", rows=4)  # four rows together: 0.6 of a pass per drafted token
+    assert costs.draft_cost(3, "m", 1) == pytest.approx(0.03)
+    assert costs.draft_cost(3, "m", 2) == pytest.approx(1.8)
+    assert plan_batch([(0.8, 4, "m")], 0, costs)[0] > 0  # alone, drafting pays
+    four = plan_batch([(0.8, 4, "m")] * 4, 0, costs)
+    assert sum(k > 0 for k in four) == 1 and max(four) > 1  # not the four together: one of them, alone, at length
+    assert plan_batch([(0.8, 4, "m"), (0.8, 4, None)], 2, costs)[0] > 0  # one row of the drafter: its lone price
+    assert costs.draft_cost(0, "m", 4) == 0.0 and costs.draft_cost(2, "other", 4) is None
 
 
 def test_engine_with_adaptive_k_decays_to_plain_decoding_when_drafts_fail(tiny_dir):

@@ -34,11 +34,17 @@ class CostModel:
     row's draft adds its own tokens and nothing else — of drafting a token with each drafter, and of a drafter's
     catching up on a token. Each is the median of its last `window` measurements: on a shared 2-core machine one
     pass in a few dozen takes several times as long (another process, the allocator), and a moving mean that one
-    such pass moved made a 4-row batch's extra token look nearly free, so the planner drafted where it lost."""
+    such pass moved made a 4-row batch's extra token look nearly free, so the planner drafted where it lost.
+
+    A drafted token is priced apart for one row drafting alone and for several drafting together: a draft model
+    guesses (one pass for a draft that copies) only for a lone row, so a batch's tail drafting alone made drafted
+    tokens look cheap to the full batch, which then drafted where it lost (0.96× plain on the Qwen pair's code
+    edits at concurrency 4). Each price stands in for the other until it is measured."""
 
     def __init__(self, window: int = 9):
         self.passes: dict[int, float] = {}  # tokens in the pass → seconds (median of the recent ones)
-        self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token
+        self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token, one row
+        self.draft_per_token_shared: dict[str | None, float] = {}  # the same, several rows drafting in one call
         self.catch_up_per_token: dict[str | None, float] = {}  # drafter name → seconds per token caught up on
         self.window = window
         self._samples: dict[tuple[str, int | str | None], deque[float]] = {}
@@ -55,9 +61,12 @@ class CostModel:
         self._curve.clear()
         self._tables.clear()
 
-    def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
+    def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None, rows: int = 1) -> None:
+        """`rows` rows drafted at most `tokens` tokens each with `drafter` in `seconds`."""
         if tokens > 0:
-            self.draft_per_token[drafter] = self._median("draft", drafter, seconds / tokens)
+            shared = rows > 1
+            table = self.draft_per_token_shared if shared else self.draft_per_token
+            table[drafter] = self._median("draft-shared" if shared else "draft", drafter, seconds / tokens)
             self._tables.clear()
 
     def observe_catch_up(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
@@ -92,10 +101,16 @@ class CostModel:
             self._tables[(k_max, drafter)] = table
         return table
 
-    def draft_cost(self, k: int, drafter: str | None = None) -> float | None:
-        if k == 0:
+    def draft_cost(self, k: int, drafter: str | None = None, rows: int = 1) -> float | None:
+        """Seconds for `drafter` to draft k tokens for each of `rows` rows at once; None before any measurement."""
+        if k == 0 or rows == 0:
             return 0.0
-        per_token = self.draft_per_token.get(drafter)
+        first, other = (
+            (self.draft_per_token_shared, self.draft_per_token)
+            if rows > 1
+            else (self.draft_per_token, self.draft_per_token_shared)
+        )
+        per_token = first.get(drafter, other.get(drafter))
         return None if per_token is None else k * per_token
 
 
@@ -198,7 +213,7 @@ def repays_catch_up(
     per_token = plain / rows
     best = 0.0
     for k in range(1, k_max + 1):
-        seconds = (costs.pass_cost(rows + k) or 0.0) + (costs.draft_cost(k, drafter) or 0.0)
+        seconds = (costs.pass_cost(rows + k) or 0.0) + (costs.draft_cost(k, drafter, rows) or 0.0)
         saved = (rows + k) * per_token - seconds
         best = max(best, saved * remaining / (k + 1))
     return best > catch_up
@@ -232,30 +247,36 @@ def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: Cos
     """Draft lengths for the drafting rows of one pass that maximise its expected tokens per second.
 
     `rows` are (α, the row's own choice of k, drafter) and `plain` the rows that decode plainly. Starting from no
-    drafts, one more draft token goes to the row where it is likeliest to be accepted (α^(k+1)) as long as that
-    raises the pass's expected tokens per second: the pass grows by one token (its measured cost) and the drafter
-    by one step when that row's draft becomes its longest. None when no pass cost is measured yet.
+    drafts, one more draft token goes to the row where it raises the pass's expected tokens per second most, as
+    long as one does: it adds the chance that it is accepted (α^(k+1)) and costs the pass one token (measured) and
+    its drafter's call what a longer draft, or one more row drafting beside the others, costs (`draft_cost`: a
+    lone row's drafted token may be far cheaper than a batch's). None when no pass cost is measured yet.
     """
     tokens = plain + len(rows)  # every row emits at least one token
     seconds = costs.pass_cost(tokens)
     if seconds is None:
         return None
     ks = [0] * len(rows)
-    longest: dict[str | None, int] = {}
+    longest: dict[str | None, int] = {}  # drafter → its longest draft so far
+    drafting: dict[str | None, int] = {}  # drafter → its rows drafting so far
     expected = float(tokens)
     while True:
-        best = max(
-            (i for i in range(len(rows)) if ks[i] < rows[i][1]), key=lambda i: rows[i][0] ** (ks[i] + 1), default=None
-        )
+        grow = (costs.pass_cost(tokens + 1) or 0.0) - seconds  # never None once measured
+        best, best_rate, best_step = None, expected / seconds * (1 + 1e-9), (0.0, 0.0, 0, 0)
+        for i, (alpha, k_own, drafter) in enumerate(rows):
+            if ks[i] >= k_own:
+                continue
+            gain = min(alpha, 1.0) ** (ks[i] + 1)
+            k_before, n_before = longest.get(drafter, 0), drafting.get(drafter, 0)
+            k_after, n_after = max(k_before, ks[i] + 1), n_before + (ks[i] == 0)
+            extra = grow + (costs.draft_cost(k_after, drafter, n_after) or 0.0)
+            extra -= costs.draft_cost(k_before, drafter, n_before) or 0.0
+            rate = (expected + gain) / (seconds + extra)
+            if rate > best_rate:
+                best, best_rate, best_step = i, rate, (gain, extra, k_after, n_after)
         if best is None:
             return ks
-        alpha, _, drafter = rows[best]
-        gain = min(alpha, 1.0) ** (ks[best] + 1)
-        extra = (costs.pass_cost(tokens + 1) or 0.0) - (costs.pass_cost(tokens) or 0.0)  # never None once measured
-        if ks[best] + 1 > longest.get(drafter, 0):
-            extra += costs.draft_cost(1, drafter) or 0.0
-        if (expected + gain) / (seconds + extra) <= expected / seconds * (1 + 1e-9):
-            return ks
+        gain, extra, k_after, n_after = best_step
         ks[best] += 1
-        longest[drafter] = max(longest.get(drafter, 0), ks[best])
+        longest[rows[best][2]], drafting[rows[best][2]] = k_after, n_after
         tokens, expected, seconds = tokens + 1, expected + gain, seconds + extra
