@@ -214,9 +214,53 @@ def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_d
         guesses = greedy_guesses(drafter, ids, out)
         assert len(guesses.tokens) == len(out) and guesses.prompt_seconds > 0  # the draft's pass over the prompt
         for k in (1, 4, 8):
-            fast = replay_guesses(guesses, len(ids), out, DraftRule(k, MAX_NEW, plain.max_len))
+            fast = replay_guesses(guesses, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             slow = replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             assert _counts(fast.counts) == _counts(slow.counts) and fast.open_steps == slow.open_steps, (prompt, k)
+
+
+@pytest.mark.parametrize("spec", ["int8", "model@1024"])
+def test_the_passes_a_draft_model_drafting_alone_takes_are_replayed_as_it_drafts_them(embedded, spec):
+    """Alone, a draft model also feeds a guess of its draft's continuation with each pass (one pass for a draft that
+    copies): step by step, the replay counts the passes it drafted in — the same where the draft was the output's
+    own, never fewer after a miss (past it the draft's tokens are unknown). The steps after each request's first
+    (whose prompt is fed alone, its first token drafted from that pass)."""
+    from specwise.engine.drafters.draft_model import LONG_CATCH_UP
+    from specwise.engine.replay import greedy_guesses, guessed_passes
+
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    plain = Engine(embedded, max_batch=1)
+    drafter = make_drafter(_drafter(spec), embedded, 1, plain.cache_len)
+    steps: list[list] = []  # [output position, k, passes, draft]
+    forward, propose = drafter._forward, drafter.propose
+
+    def counting(rows, outs):  # type: ignore[no-untyped-def]
+        steps[-1][2] += 1
+        return forward(rows, outs)
+
+    def proposing(seqs, ks):  # type: ignore[no-untyped-def]
+        steps.append([len(seqs[0].token_ids) - seqs[0].prompt_len, ks[0], 0, None])
+        out = propose(seqs, ks)
+        steps[-1][3] = out[0].tokens
+        return out
+
+    drafter._forward, drafter.propose = counting, proposing  # type: ignore[method-assign]
+    exact = saved = 0
+    for prompt in [*PROMPTS, "one two three four five six seven, one two three four five six seven, one two three"]:
+        ids, out = plain.encode_prompt(prompt), plain.generate(prompt, params)[0].token_ids
+        guesses = greedy_guesses(drafter, ids, out)
+        for k in (4, 8):
+            steps.clear()
+            replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
+            for p, ke, passes, draft in steps[1 if len(ids) > LONG_CATCH_UP else 0 :]:
+                replayed = len(guessed_passes(guesses, ids, out, p, ke))
+                if draft == out[p : p + ke] and len(draft) == ke:
+                    assert replayed == passes, (prompt, k, p)
+                    exact += 1
+                else:
+                    assert replayed >= passes, (prompt, k, p)
+                saved += passes < ke
+    assert exact > 0 and saved > 0  # drafts the output's own, and drafts whose guesses saved passes
 
 
 def test_predict_measures_its_baseline_first_and_only_once(tmp_path):

@@ -308,9 +308,10 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.replay import (
         AdaptiveRule,
+        DraftPassCost,
         DraftRule,
         can_guess,
-        draft_token_seconds,
+        draft_pass_seconds,
         greedy_guesses,
         replay,
         replay_guesses,
@@ -356,17 +357,24 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
     auto_drafter = drafter
     guesses_of: dict = {}  # record key → a greedy draft model's guesses (k=auto replays them again, below)
-    per_token = 0.0
+    per_token, pass_cost = 0.0, DraftPassCost()
+    # a request in flight alone drafts alone: a draft model then also feeds guesses of its draft's continuation
+    alone = {ld.name: ld.kind == "concurrent" and ld.value == 1 for ld in plan.loads}
+    guesses_alone = isinstance(drafter, ModelDrafter) and drafter.guess
     if guessing:
         # a greedy draft model: one pass over each output, every k replayed from it
         assert isinstance(drafter, ModelDrafter)
-        per_token = draft_token_seconds(drafter)
+        pass_cost = draft_pass_seconds(drafter)
+        per_token = pass_cost.one
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
             guesses = guesses_of[r.key] = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
             for k in fixed:
                 limit = limits[r.task_id]
-                out = replay_guesses(guesses, r.prompt_tokens, r.tokens, DraftRule(k, limit, engine.max_len), per_token)
+                fixed_rule = DraftRule(k, limit, engine.max_len)
+                out = replay_guesses(
+                    guesses, prompts[r.task_id], r.tokens, fixed_rule, pass_cost, guesses_alone and alone[r.load]
+                )
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
     else:
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
@@ -392,7 +400,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     if "auto" in ks:
         # k=auto as the engine would choose it on these costs, each request at its load, the acceptance prior
         # carried from request to request in the order they finished (Engine._retire)
-        model = CostModel(window=1)
+        model = CostModel()  # drafting costs learned step by step as the engine's are (replay_guesses)
         model.passes = dict(costs.seconds)
         model.draft_per_token = {name: per_token}
         if guessing:  # a draft model catches up at its prompt pass's rate (a model-free drafter has no cache)
@@ -404,7 +412,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
             rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit)
             if guessing:
-                out = replay_guesses(guesses_of[r.key], r.prompt_tokens, r.tokens, rule, per_token)
+                out = replay_guesses(
+                    guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
+                )
             else:
                 out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps))

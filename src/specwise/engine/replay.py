@@ -20,16 +20,19 @@ accepted draft token is the output's own). Every k is replayed from the same gue
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, holds_catch_up, plan_batch
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Drafter
-from specwise.engine.drafters.draft_model import ModelDrafter
+from specwise.engine.drafters.draft_model import GUESS_NGRAM, ModelDrafter
+from specwise.engine.drafters.ngram import lookup
 from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise
@@ -208,17 +211,66 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
     return Guesses(guesses, prompt_seconds)
 
 
+@dataclass(frozen=True)
+class DraftPassCost:
+    """Seconds of one pass of a draft model as a step runs it: `one` for a pass over one token, `per_row` for each
+    further token it feeds (a guess of how the draft goes on)."""
+
+    one: float = 0.0
+    per_row: float = 0.0
+
+    def at(self, rows: int) -> float:
+        return self.one + self.per_row * max(rows - 1, 0)
+
+
+def guessed_passes(guesses: Guesses, prompt_ids: list[int], output_ids: list[int], p: int, ke: int) -> list[int]:
+    """The guess each pass feeds (its length) while a draft model drafting alone proposes ke tokens at output
+    position p, every pass also feeding the text's own continuation of its last n-gram and the draft taking the
+    logits after each guessed token while it picks that token (`ModelDrafter._guess`, `_walk`). Exact while the
+    draft is the output's own — its tokens there are the guesses after the output's prefixes; after its first miss
+    one pass a token, a guess-less pass each (its tokens there are unknown, and a guess that continued the text
+    rarely continues a draft that left it), so the passes counted are never fewer than drafting made."""
+    context = [*prompt_ids, *output_ids[:p]]
+    drafted: list[int] = []
+    fed: list[int] = []
+    missed = False
+    while len(drafted) < ke:
+        if missed:
+            fed.append(0)
+            drafted.append(-1)
+            continue
+        guess = lookup(np.asarray(context + drafted), ke - len(drafted) - 1, GUESS_NGRAM, 2) if ke > 1 else []
+        fed.append(len(guess))
+        j = 0
+        while len(drafted) < ke:
+            at = p + len(drafted)
+            token = guesses.tokens[at] if at < len(output_ids) else -1
+            drafted.append(token)
+            if at >= len(output_ids) or token != output_ids[at]:
+                missed = True
+                break
+            if j < len(guess) and token == guess[j]:
+                j += 1
+            else:
+                break
+    return fed
+
+
 def replay_guesses(
     guesses: Guesses,
-    prompt_len: int,
+    prompt_ids: list[int],
     output_ids: list[int],
     rule: DraftRule | AdaptiveRule,
-    seconds_per_draft_token: float = 0.0,
+    cost: DraftPassCost = DraftPassCost(),
+    alone: bool = False,
 ) -> Replayed:
     """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
-    first miss are its own, never accepted); drafting is estimated as `seconds_per_draft_token` per drafted token,
-    and the first draft also pays the draft's pass over the prompt (under k=auto every long catch-up pays at the
-    prompt pass's rate per token)."""
+    first miss are its own, never accepted). Drafting is estimated from `cost`: a pass per drafted token, or where
+    the row drafts `alone` (the draft model then also feeds guesses of its draft's continuation) the passes
+    `guessed_passes` counts; the first draft also pays the draft's pass over the prompt (under k=auto every long
+    catch-up pays at the prompt pass's rate per token). Under k=auto the rule's costs learn each step's drafting
+    time as the engine's do (`CostModel.observe_draft`), priced alone when the rule's batch is one row."""
+    prompt_len = len(prompt_ids)
     caught_up = [False]
     per_token = guesses.prompt_seconds / max(prompt_len, 1)  # catching up on a token, as the prompt's pass did
 
@@ -230,7 +282,13 @@ def replay_guesses(
         else:
             catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
-        return draft + [-1] * (ke - len(draft)), ke * seconds_per_draft_token + catch_up
+        if alone:
+            drafting = sum(cost.at(1 + g) for g in guessed_passes(guesses, prompt_ids, output_ids, p, ke))
+        else:
+            drafting = ke * cost.at(1)
+        if isinstance(rule, AdaptiveRule):
+            rule.costs.observe_draft(ke, drafting, rule.drafter, rule.rows)
+        return draft + [-1] * (ke - len(draft)), drafting + catch_up
 
     return walk(propose, prompt_len, output_ids, rule)
 
@@ -243,21 +301,24 @@ def as_in_a_step(drafter: ModelDrafter) -> contextlib.AbstractContextManager:
     return serial_torch() if on_kernels else contextlib.nullcontext()
 
 
-def draft_token_seconds(drafter: ModelDrafter, repeats: int = 5) -> float:
-    """Median seconds of one one-token draft forward (what each drafted token costs a greedy draft model), timed as
-    an engine step runs it (`as_in_a_step`)."""
+def draft_pass_seconds(drafter: ModelDrafter, repeats: int = 5, rows: int = 9) -> DraftPassCost:
+    """Median seconds of a one-token draft forward (a drafted token without guesses) and of one over `rows` tokens
+    (a pass with a guess), timed as an engine step runs them (`as_in_a_step`)."""
     dev = drafter.device
-    times = []
+    times: dict[int, list[float]] = {1: [], rows: []}
     with torch.inference_mode(), as_in_a_step(drafter):
         for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            drafter.model.forward_tokens(
-                drafter.cache,
-                torch.tensor([0], device=dev),
-                torch.tensor([i], device=dev),
-                torch.zeros(1, dtype=torch.long, device=dev),
-                torch.tensor([0]),
-            )
-            times.append(time.perf_counter() - t0)
+            for n in times:
+                t0 = time.perf_counter()
+                drafter.model.forward_tokens(
+                    drafter.cache,
+                    torch.arange(n, device=dev) * 0,
+                    torch.arange(i * rows, i * rows + n, device=dev),
+                    torch.zeros(n, dtype=torch.long, device=dev),
+                    torch.arange(n),
+                )
+                if i:
+                    times[n].append(time.perf_counter() - t0)
     drafter.release(0)
-    return float(sorted(times[1:])[len(times[1:]) // 2])
+    one, many = (statistics.median(times[n]) for n in (1, rows))
+    return DraftPassCost(one, max(many - one, 0.0) / (rows - 1))
