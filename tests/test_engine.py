@@ -225,7 +225,7 @@ class FrozenCosts(CostModel):
     def observe_pass(self, tokens, seconds):
         pass
 
-    def observe_draft(self, tokens, seconds, drafter=None, rows=1):
+    def observe_draft(self, tokens, seconds, drafter=None, rows=1, passes=None):
         pass
 
 
@@ -305,7 +305,9 @@ def test_a_drafted_token_is_priced_apart_for_one_row_and_for_several():
     for t in range(1, 40):
         costs.observe_pass(t, 1.0 + 0.1 * (t - 1))
     costs.observe_draft(4, 4 * 0.01, "m", rows=1)  # alone: a hundredth of a pass per drafted token
-    assert costs.draft_cost(3, "m", 4) == pytest.approx(0.03)  # the shared price stands in until measured
+    assert costs.draft_cost(3, "m", 4) == pytest.approx(0.03)  # nothing else measured: the lone price stands in
+    costs.observe_draft(4, 4 * 0.01, "m", rows=1, passes=1)  # … in one pass of 0.04 (its guesses taken)
+    assert costs.draft_cost(3, "m", 4) == pytest.approx(0.12)  # several rows: a pass a token, until measured
     costs.observe_draft(4, 4 * 0.6, "m", rows=4)  # four rows together: 0.6 of a pass per drafted token
     assert costs.draft_cost(3, "m", 1) == pytest.approx(0.03)
     assert costs.draft_cost(3, "m", 2) == pytest.approx(1.8)

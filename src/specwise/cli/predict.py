@@ -403,6 +403,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         model = CostModel()  # drafting costs learned step by step as the engine's are (replay_guesses)
         model.passes = dict(costs.seconds)
         model.draft_per_token = {name: per_token}
+        if guessing:
+            model.draft_per_pass = {name: pass_cost.one}
         if guessing:  # a draft model catches up at its prompt pass's rate (a model-free drafter has no cache)
             fed = sum(g.prompt_seconds for g in guesses_of.values())
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}

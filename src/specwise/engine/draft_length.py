@@ -39,12 +39,16 @@ class CostModel:
     A drafted token is priced apart for one row drafting alone and for several drafting together: a draft model
     guesses (one pass for a draft that copies) only for a lone row, so a batch's tail drafting alone made drafted
     tokens look cheap to the full batch, which then drafted where it lost (0.96× plain on the Qwen pair's code
-    edits at concurrency 4). Each price stands in for the other until it is measured."""
+    edits at concurrency 4). Until several rows have drafted together, a drafted token is priced for them as one
+    pass of a lone row (a batch drafts a token a pass, and a pass of several rows costs no less than one of one
+    row): priced as the lone row's guessed tokens, an engine that had run alone paid a draft model's catch-ups at
+    concurrency 4 it could not win back (questions 0.78× plain). A lone row's price falls back on the shared one."""
 
     def __init__(self, window: int = 9):
         self.passes: dict[int, float] = {}  # tokens in the pass → seconds (median of the recent ones)
         self.draft_per_token: dict[str | None, float] = {}  # drafter name → seconds per drafted token, one row
         self.draft_per_token_shared: dict[str | None, float] = {}  # the same, several rows drafting in one call
+        self.draft_per_pass: dict[str | None, float] = {}  # drafter name → seconds per pass of a lone row's draft
         self.catch_up_per_token: dict[str | None, float] = {}  # drafter name → seconds per token caught up on
         self.window = window
         self._samples: dict[tuple[str, int | str | None], deque[float]] = {}
@@ -61,12 +65,17 @@ class CostModel:
         self._curve.clear()
         self._tables.clear()
 
-    def observe_draft(self, tokens: int, seconds: float, drafter: str | None = None, rows: int = 1) -> None:
-        """`rows` rows drafted at most `tokens` tokens each with `drafter` in `seconds`."""
+    def observe_draft(
+        self, tokens: int, seconds: float, drafter: str | None = None, rows: int = 1, passes: int | None = None
+    ) -> None:
+        """`rows` rows drafted at most `tokens` tokens each with `drafter` in `seconds`, in `passes` passes where
+        the drafter counts them (a draft model)."""
         if tokens > 0:
             shared = rows > 1
             table = self.draft_per_token_shared if shared else self.draft_per_token
             table[drafter] = self._median("draft-shared" if shared else "draft", drafter, seconds / tokens)
+            if not shared and passes:
+                self.draft_per_pass[drafter] = self._median("draft-pass", drafter, seconds / passes)
             self._tables.clear()
 
     def observe_catch_up(self, tokens: int, seconds: float, drafter: str | None = None) -> None:
@@ -105,12 +114,12 @@ class CostModel:
         """Seconds for `drafter` to draft k tokens for each of `rows` rows at once; None before any measurement."""
         if k == 0 or rows == 0:
             return 0.0
-        first, other = (
-            (self.draft_per_token_shared, self.draft_per_token)
-            if rows > 1
-            else (self.draft_per_token, self.draft_per_token_shared)
-        )
-        per_token = first.get(drafter, other.get(drafter))
+        tables: tuple[dict[str | None, float], ...]
+        if rows > 1:
+            tables = (self.draft_per_token_shared, self.draft_per_pass, self.draft_per_token)
+        else:
+            tables = (self.draft_per_token, self.draft_per_token_shared)
+        per_token = next((t[drafter] for t in tables if drafter in t), None)
         return None if per_token is None else k * per_token
 
 

@@ -500,7 +500,8 @@ class Engine:
                 drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
             spent = self._now() - td
             one_off = float(getattr(self.drafters[name], "one_off_seconds", 0.0))
-            self.costs.observe_draft(max(ks[i] for i in idx), max(spent - one_off, 0.0), name, len(idx))
+            passes = getattr(self.drafters[name], "passes", None)
+            self.costs.observe_draft(max(ks[i] for i in idx), max(spent - one_off, 0.0), name, len(idx), passes)
             self.costs.observe_catch_up(int(getattr(self.drafters[name], "one_off_tokens", 0)), one_off, name)
             for i in idx:
                 draft_time[i] = spent

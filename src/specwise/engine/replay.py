@@ -282,12 +282,10 @@ def replay_guesses(
         else:
             catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
-        if alone:
-            drafting = sum(cost.at(1 + g) for g in guessed_passes(guesses, prompt_ids, output_ids, p, ke))
-        else:
-            drafting = ke * cost.at(1)
+        fed = guessed_passes(guesses, prompt_ids, output_ids, p, ke) if alone else [0] * ke
+        drafting = sum(cost.at(1 + g) for g in fed)
         if isinstance(rule, AdaptiveRule):
-            rule.costs.observe_draft(ke, drafting, rule.drafter, rule.rows)
+            rule.costs.observe_draft(ke, drafting, rule.drafter, rule.rows, len(fed))
         return draft + [-1] * (ke - len(draft)), drafting + catch_up
 
     return walk(propose, prompt_len, output_ids, rule)

@@ -99,6 +99,7 @@ class ModelDrafter:
         self.device = model.device
         self.one_off_seconds = 0.0  # of the last propose: catching up alone on a new prompt or a long gap
         self.one_off_tokens = 0  # … and how many tokens that was
+        self.passes = 0  # of the last propose: its drafting passes (k a row without guesses; fewer with them)
 
     def extra_memory_bytes(self) -> int:
         return self._extra_weights + self.cache.nbytes()
@@ -178,7 +179,7 @@ class ModelDrafter:
             start = self._unseen(seq)
             feed[i] = (list(seq.token_ids[start:]), start)
             self.seen[seq.slot] = list(seq.token_ids[:start])
-        self.one_off_seconds, self.one_off_tokens = 0.0, 0
+        self.one_off_seconds, self.one_off_tokens, self.passes = 0.0, 0, 0
         for i in [i for i in active if len(feed[i][0]) > LONG_CATCH_UP]:
             t0 = time.perf_counter()
             toks, start = feed.pop(i)
@@ -194,6 +195,7 @@ class ModelDrafter:
         # as the draft picks the guessed tokens, so a draft that copies costs one pass, not one per token.
         while feed:
             rows = list(feed)
+            self.passes += 1
             # Alone, a guess's rows are nearly free (the pass streams the draft's weights anyway); beside other rows
             # they are not (a batch of 4 with guesses: 0.93x plain on the edits, against 0.99x without).
             guesses = {i: self._guess(seqs[i], drafts[i].tokens, ks[i]) if len(rows) == 1 else [] for i in rows}
