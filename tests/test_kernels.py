@@ -412,10 +412,14 @@ def test_reduced_row_counts_still_need_k_multiple_of_32():
 # --- GGUF tensors of every kind ---------------------------------------------------------------------------------
 
 
-K_QUANTS = {  # block bytes, (fp16 at, value)
+K_QUANTS = {  # types gguf-py cannot quantise: block bytes, (fp16 at, value)
     "Q4_K": (144, [(0, 0.01), (2, 0.002)]),
     "Q5_K": (176, [(0, 0.01), (2, 0.002)]),
     "Q6_K": (210, [(208, 0.001)]),
+    "Q3_K": (110, [(108, 0.01)]),
+    "Q2_K": (84, [(80, 0.01), (82, 0.002)]),
+    "IQ4_NL": (18, [(0, 0.002)]),
+    "IQ4_XS": (136, [(0, 0.002)]),
 }  # block bytes, (fp16 at, value)
 
 
@@ -462,7 +466,8 @@ def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tupl
         data = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         if kind in K_QUANTS:  # gguf-py cannot quantise K-quants: random blocks with sane fp16 scales
             size, scales = K_QUANTS[kind]
-            blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+            block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]  # inputs a block holds
+            blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
             for at, value in scales:
                 blocks[..., at : at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
             w.add_tensor(name, blocks.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -504,16 +509,44 @@ MIXED = [
         "blk.0.ffn_up.weight": "Q5_K",
         "blk.0.ffn_down.weight": "Q6_K",
     },
+    {  # the IQ4 types (as Q8: a table's int8 values; IQ4_XS with fp32 scales) beside Q8_0 and Q4_K
+        "token_embd.weight": "IQ4_XS",
+        "output.weight": "IQ4_NL",
+        "blk.0.attn_q.weight": "IQ4_NL",
+        "blk.0.attn_k.weight": "IQ4_XS",
+        "blk.0.attn_v.weight": "Q8_0",
+        "blk.0.attn_output.weight": "IQ4_XS",
+        "blk.0.ffn_gate.weight": "IQ4_XS",
+        "blk.0.ffn_up.weight": "IQ4_NL",
+        "blk.0.ffn_down.weight": "Q4_K",
+    },
+    {  # a Q3_K_M-like file: Q3_K beside Q6_K in one fused projection (both Q6), Q2_K (no kernel format: bf16)
+        "token_embd.weight": "Q3_K",
+        "output.weight": "Q3_K",
+        "blk.0.attn_q.weight": "Q3_K",
+        "blk.0.attn_k.weight": "Q6_K",
+        "blk.0.attn_v.weight": "Q3_K",
+        "blk.0.attn_output.weight": "Q2_K",
+        "blk.0.ffn_gate.weight": "Q3_K",
+        "blk.0.ffn_up.weight": "Q4_K",
+        "blk.0.ffn_down.weight": "Q3_K",
+    },
 ]
 OWN_FORMAT = {"Q4_0": K.Q4, "Q4_1": K.Q4, "Q4_K": K.Q4, "Q5_0": K.Q5, "Q5_1": K.Q5, "Q5_K": K.Q5, "Q6_K": K.Q6}
-OWN_FORMAT |= {"Q8_0": K.Q8, "F16": K.BF16}
+OWN_FORMAT |= {"Q8_0": K.Q8, "F16": K.BF16, "Q3_K": K.Q6, "Q2_K": K.BF16, "IQ4_NL": K.Q8, "IQ4_XS": K.Q8}
 
 
-@pytest.mark.parametrize("types", MIXED, ids=["chains", "uniform"])
+def scales_of(kind: str) -> str:
+    """How a type's packed scales are held: a K-quant's multipliers, IQ4_XS's fp32 products, GGUF's fp16."""
+    return "K" if kind.endswith("_K") else "f32" if kind == "IQ4_XS" else "f16"
+
+
+@pytest.mark.parametrize("types", MIXED, ids=["chains", "uniform", "iq4", "q3_k_m"])
 def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
     """Every quantised type keeps its exact values in its own kernel format (gguf-py's dequantisation, bit for bit:
-    Q4_* as Q4, Q5_* as Q5, Q6_K as Q6, Q8_0 as Q8); F16 runs in bf16; a fused projection whose parts differ in
-    type is a chain of parts, each in its own format; the decoder on them is batch and draft invariant."""
+    Q4_* as Q4, Q5_* as Q5, Q6_K and Q3_K as Q6, Q8_0 and IQ4_* as Q8); F16 and Q2_K run in bf16; a fused
+    projection whose parts differ in type or scale encoding is a chain of parts, each in its own format; the
+    decoder on them is batch and draft invariant."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -530,15 +563,15 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
     for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
         raw[name] = gguf.unpermute(raw[name], 4 if "attn_q" in name else 2)
     for name, kind in types.items():
-        if kind == "F16":  # bf16 on the kernels
+        if OWN_FORMAT[kind] == K.BF16:  # bf16 on the kernels
             raw[name] = raw[name].bfloat16().float()
     cfg = ModelConfig.from_hf(gguf.hf_config(gguf.open_gguf(path), path))
     weights = from_gguf(path, cfg)
     layer = weights.layers[0]
 
     def fused(p: K.PackedLinear, names: list[str]) -> None:
-        kinds = [(OWN_FORMAT[t], t.endswith("_K")) for t in (types[f"blk.0.{n}.weight"] for n in names)]
-        runs = [f for i, (f, k) in enumerate(kinds) if i == 0 or (f, k) != kinds[i - 1]]  # K scales apart
+        kinds = [(OWN_FORMAT[t], scales_of(t)) for t in (types[f"blk.0.{n}.weight"] for n in names)]
+        runs = [f for i, (f, k) in enumerate(kinds) if i == 0 or (f, k) != kinds[i - 1]]  # other scales apart
         assert [part.fmt for part in p.parts] == runs, names
         assert torch.equal(p.dequantize(), torch.cat([raw[f"blk.0.{n}.weight"] for n in names])), names
 
@@ -548,7 +581,9 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
     fused(layer.down, ["ffn_down"])
     for p, name in ((weights.embed, "token_embd.weight"), (weights.head, "output.weight")):
         assert p.fmt == OWN_FORMAT[types[name]] and torch.equal(p.dequantize(), raw[name]), name
-    assert weights.precision == "native (" + ", ".join(sorted(set(types.values()))) + ")"
+    widened = sorted(t for t in set(types.values()) if OWN_FORMAT[t] == K.BF16)  # said, not hidden in the list
+    said = ("; in bf16: " + ", ".join(widened)) if widened else ""
+    assert weights.precision == f"native ({', '.join(sorted(set(types.values())))}{said})"
     check_invariance(NativeDecoder(weights), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [9, 8, 7, 6, 5, 4, 3])
 
 

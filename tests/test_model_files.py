@@ -127,7 +127,7 @@ def test_a_packed_tensor_that_disagrees_with_its_format_never_reaches_c():
 
 
 def test_a_damaged_packed_cache_is_packed_again(tmp_path, monkeypatch, capsys):
-    """native-v4.safetensors in the conversion cache holding something else than this model's packing (another
+    """native-v<N>.safetensors in the conversion cache holding something else than this model's packing (another
     version's layout, a damaged file, numbers changed since it was written, another GGUF's packing) is packed again
     from the source, not loaded (issue 31 item 9: a tampered file used to change the outputs under the GGUF's
     hash)."""
@@ -175,7 +175,11 @@ def test_a_damaged_packed_cache_is_packed_again(tmp_path, monkeypatch, capsys):
     rewrite(tampered)
     rewrite(lambda t: None, source_sha256="cd" * 32)  # another GGUF's packing
     cached.write_bytes(b"not a safetensors file")
+    older, newer = (tmp_path / f"native-v{v}.safetensors" for v in (NATIVE_VERSION - 1, NATIVE_VERSION + 1))
+    older.write_bytes(b"an older layout")
+    newer.write_bytes(b"a newer specwise's")
     assert torch.equal(load().norm, first.norm)
+    assert not older.exists() and newer.exists()  # an older layout's packing is not left on disk
 
 
 def test_prompt_ids_outside_the_models_vocabulary_are_refused_at_submission(tmp_path):

@@ -3,9 +3,13 @@
 Every common quantised type runs in its own numbers on the kernels (csrc/kernels.h): Q4_0, Q4_1 and Q4_K as Q4
 (4-bit values with a scale and a min per 32 inputs: Q4_0 is q·d − 8d, Q4_1 q·d + m, Q4_K's sub-blocks q·(d·sc) −
 dmin·m, kept as its 6-bit multipliers of the superblock's fp16 d and dmin), Q5_0, Q5_1 and Q5_K likewise as Q5,
-Q6_K as Q6 (d·sc·(q − 32), an int8 sc per 16 inputs), Q8_0 as Q8 (q·d). Other types (F16, BF16, Q2_K, Q3_K, ...)
-are dequantised (by gguf-py) and run in bf16. llama.cpp permutes the rows of Q and K for its interleaved
-RoPE; rows are permuted back here, in whatever format, so every path shares the Hugging Face layout.
+Q6_K as Q6 (d·sc·(q − 32), an int8 sc per 16 inputs), Q3_K as Q6 too (its d·(sc − 32)·(q − 4) is d·sc'·(q' − 32)
+with sc' = sc − 32 and q' = q + 28: the same numbers in 6.56 bits a weight against its 3.44, not bf16's 16), Q8_0
+as Q8 (q·d), and IQ4_NL and IQ4_XS as Q8 too (a 4-bit index into a fixed table of 16 int8 values, times an fp16
+d, or for IQ4_XS d·(ls − 32) — exact in fp32 — per 32 inputs). Other types (F16, BF16, Q2_K — whose per-16 mins no
+kernel format holds —, the other IQ types, ...) are dequantised (by gguf-py) and run in bf16. llama.cpp permutes
+the rows of Q and K for its interleaved RoPE; rows are permuted back here, in whatever format, so every path shares
+the Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ NAMES = {  # GGUF block tensor → Hugging Face module name
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-NATIVE_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
+NATIVE_TYPES = {"Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS"}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES |= {"Q3_K": 110, "IQ4_NL": 18, "IQ4_XS": 136}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def open_gguf(path: Path) -> Index:
@@ -157,6 +163,43 @@ def _k_scales(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _q3_k_as_q6(blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
+    """Q3_K superblocks (hmask 32 bytes, 2-bit values 64, packed 6-bit scales 12, fp16 d) as the kernels' Q6: value
+    v's low bits are bits 2j..2j+1 of qs[32h + l] (v = 128h + 32j + l), its third bit is bit v // 32 of hmask[v % 32]
+    set (a clear bit subtracts 4), and sub-block s's scale is 4 bits of byte s % 8 (high nibble from s = 8) with 2 of
+    byte 8 + s % 4 above them."""
+    nsb = blocks.shape[1]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
+    low = (blocks[..., 32:96].reshape(n, nsb, 2, 1, 32) >> shifts.reshape(4, 1)) & 3  # (n, nsb, h, j, l)
+    high = _bits(blocks[..., 0:32], 256).reshape(n, nsb, 32, 8).transpose(0, 1, 3, 2)  # (n, nsb, j, l)
+    q = low.reshape(n, nsb, 256) + (high.reshape(n, nsb, 256) << 2) + 28  # q − 4 + 32: 28..35
+    packed = blocks[..., 96:108]
+    sc_low = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)
+    sc_high = (packed[..., 8:12].reshape(n, nsb, 1, 4) >> shifts.reshape(4, 1)) & 3  # (n, nsb, s // 4, s % 4)
+    sc = (sc_low | (sc_high.reshape(n, nsb, 16) << 4)).astype(np.int16) - 32
+    return {
+        "q": torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1))),
+        "sc": torch.from_numpy(np.ascontiguousarray(sc.astype(np.int8).reshape(n, -1))),
+        "ds": torch.from_numpy(_f16(blocks[..., 108:110])),
+    }
+
+
+def _iq4_as_q8(kind: str, blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]:
+    """IQ4_NL blocks (fp16 d, 16 bytes of indices: the low nibbles are values 0-15, the high 16-31) or IQ4_XS
+    superblocks (fp16 d, the scales' high 2 bits as a u16, their low 4 bits in 4 bytes, then 8 such 16-byte runs)
+    as Q8: the table's int8 values and each 32 inputs' scale (IQ4_XS: d·(ls − 32) in fp32, an exact product)."""
+    qs = blocks[..., 2:18] if kind == "IQ4_NL" else blocks[..., 8:136].reshape(n, blocks.shape[1], 8, 16)
+    q = IQ4_VALUES[np.concatenate([qs & 15, qs >> 4], axis=-1)].reshape(n, -1)
+    d = _f16(blocks[..., 0:2])
+    if kind == "IQ4_XS":
+        high = blocks[..., 2:4].copy().view(np.uint16)  # (n, nsb, 1): 2 bits per 32-block, block 0 lowest
+        high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        low = np.stack([blocks[..., 4:8] & 15, blocks[..., 4:8] >> 4], axis=-1).reshape(high.shape)
+        ls = (low | (high << 4)).astype(np.float32) - 32
+        d = (d.astype(np.float32)[..., None] * ls).reshape(n, -1)
+    return {"q": torch.from_numpy(np.ascontiguousarray(q)), "d": torch.from_numpy(np.ascontiguousarray(d))}
+
+
 def _bits(packed: np.ndarray, count: int) -> np.ndarray:
     """Little-endian bit unpacking along the last axis: (..., B) bytes → (..., 8B) bits, the first `count`."""
     return np.unpackbits(packed, axis=-1, bitorder="little")[..., :count]
@@ -223,6 +266,10 @@ def decode(t, data: np.ndarray | None = None) -> tuple[str, dict[str, torch.Tens
             "sc": torch.from_numpy(sc),
             "ds": torch.from_numpy(_f16(blocks[..., 208:210])),
         }
+    if kind == "Q3_K":
+        return "q6", _q3_k_as_q6(blocks, n)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        return "q8", _iq4_as_q8(kind, blocks, n)
     from gguf.quants import dequantize
 
     w = np.array(dequantize(data, t.tensor_type), dtype=np.float32)

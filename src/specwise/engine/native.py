@@ -379,7 +379,8 @@ def from_gguf(path, cfg: ModelConfig) -> NativeWeights:
         )
     embed = packed(["model.embed_tokens.weight"])
     head = embed if cfg.tie_word_embeddings else packed(["lm_head.weight"])
-    precision = "native (" + ", ".join(sorted(types)) + ")"
+    widened = sorted(types - gguf.NATIVE_TYPES - {"F32"})  # no kernel format of their own: run in bf16
+    precision = "native (" + ", ".join(sorted(types)) + (f"; in bf16: {', '.join(widened)}" if widened else "") + ")"
     return NativeWeights(cfg, precision, embed, head, dense("model.norm.weight"), layers)
 
 

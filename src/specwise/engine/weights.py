@@ -10,6 +10,7 @@ go through the transformers adapter (`hf_adapter.py`) at batch size 1.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from specwise.paths import cache_root
 from specwise.specs import TargetOptions
 
 CONVERTER_VERSION = 2  # bump when the GGUF conversion changes, so stale caches are rebuilt
-NATIVE_VERSION = 4  # bump when the packed layout changes
+NATIVE_VERSION = 5  # bump when the packed layout changes (5: Q3_K as Q6, IQ4_NL and IQ4_XS as Q8; were bf16)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -283,6 +284,11 @@ def _cached_native(directory: Path, cfg: ModelConfig, build, source_sha256: str)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for old in directory.glob("native-v*.safetensors"):  # an older layout's packing: as large as this one, unused
+        version = old.stem.removeprefix("native-v")
+        if version.isdigit() and int(version) < NATIVE_VERSION:
+            with contextlib.suppress(OSError):
+                old.unlink()
     return weights
 
 
