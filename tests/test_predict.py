@@ -189,34 +189,6 @@ def test_predict_refuses_what_it_cannot_replay(baseline_run, tmp_path):
     assert bad.returncode == 2 and "pass sizes ≥ 1 to positive seconds" in bad.stderr
 
 
-def test_costs_timed_on_a_faster_machine_are_scaled_into_the_baselines_time():
-    """A shared host's speed moves: the costs timed now (extra pass rows, drafting, step overhead) are added to the
-    baseline's own steps in the baseline's time — the run's plain step over the probe's, on the same prompts."""
-    from specwise.harness.predict import Replay, StepOverhead, TimeModel, predicted_record, time_scale
-    from specwise.harness.store import Record
-    from specwise.speccounts import SpecCounts
-
-    assert time_scale([0.066, 0.070, 0.060], 0.050) == pytest.approx(1.32)  # the median over the probe's
-    assert time_scale([], 0.05) == 1.0 and time_scale([0.1], 0.0) == 1.0  # nothing to compare: unscaled
-    base = Record("baseline", "concurrent@1", "t", 0, ["g"], output_tokens=41, e2e=5.0, prefill=1.0, decode=4.0)
-    counts = SpecCounts()
-    for _ in range(10):
-        counts.observe_step(4, 3, drafting_time=0.02)  # 10 steps of 4 tokens: 40 tokens, 0.2 s of drafting
-    costs = PassCosts({1: 0.05, 5: 0.07}, "cpu", "avx2", "ab" * 32)
-    overhead = StepOverhead(base=0.001)
-    decode = {
-        s: predicted_record(base, Replay(base.key, 4, counts), "spec", 1, TimeModel(costs, overhead, False, s)).decode
-        for s in (1.0, 1.5)
-    }
-    own = 10 * 4.0 / 40  # the baseline's own steps, in its own time
-    timed = 10 * (0.07 - 0.05) + 0.2 + 10 * 0.001  # extra rows, drafting, overhead: timed here
-    assert decode[1.0] == pytest.approx(own + timed) and decode[1.5] == pytest.approx(own + 1.5 * timed)
-    with pytest.raises(SpecwiseError, match="plain_step"):  # a probe cached before it kept its plain step
-        StepOverhead.from_json(
-            {k: v for k, v in StepOverhead(plain_step=0.05).to_json().items() if k != "plain_step"}, "x"
-        )
-
-
 def test_pass_costs_interpolate_and_never_fall_with_more_rows():
     costs = PassCosts({1: 1.0, 4: 0.9, 8: 2.0}, "cpu", "avx2", "ab" * 32)
     assert costs.at(1) == 1.0 and costs.at(4) == 1.0  # the dip at 4 is noise: a longer pass is never cheaper

@@ -122,8 +122,8 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     measured = load_run(run_path)
     records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
     check_predictable(drafter, ks, measured.plan.temperature > 0)
-    replays, costs, overhead, name, batched, scale = _replay(setup, drafter, measured, records, ks)
-    predicted = predicted_run(measured, replays, name, costs, overhead, batched, scale)
+    replays, costs, overhead, name, batched = _replay(setup, drafter, measured, records, ks)
+    predicted = predicted_run(measured, replays, name, costs, overhead, batched)
     predicted.analysis = analyze(predicted, model_error=overhead.cell_error)
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
 
@@ -318,7 +318,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     )
     from specwise.harness.backends import WARM_UP
     from specwise.harness.evaluate import engine_batch, workload_from
-    from specwise.harness.predict import Replay, time_scale
+    from specwise.harness.predict import Replay
     from specwise.harness.provenance import Target
     from specwise.specs import HARNESS_MAX_LEN
 
@@ -357,32 +357,18 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
     auto_drafter = drafter
     guesses_of: dict = {}  # record key → a greedy draft model's guesses (k=auto replays them again, below)
-
-    def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
-        return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
-
-    # serially in a step): built only if the costs are measured
-    costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
     per_token, pass_cost = 0.0, DraftPassCost()
-    chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
-    probes = [(tasks[t].request, limits[t]) for t in chosen]
     # a request in flight alone drafts alone: a draft model then also feeds guesses of its draft's continuation
     alone = {ld.name: ld.kind == "concurrent" and ld.value == 1 for ld in plan.loads}
     guesses_alone = isinstance(drafter, ModelDrafter) and drafter.guess
     if guessing:
         # a greedy draft model: one pass over each output, every k replayed from it
         assert isinstance(drafter, ModelDrafter)
-        # Drafting timed now, in the curve's time (a shared host's speed moves between the two): scaled by the
-        # target's one-token pass then over now.
-        now = engine.pass_costs([1], context=min(curve_context(records), engine.cache_len - 1), repeats=5)[1]
-        here = costs.at(1) / now if now > 0 else 1.0
         pass_cost = draft_pass_seconds(drafter)
-        pass_cost = DraftPassCost(pass_cost.one * here, pass_cost.per_row * here)
         per_token = pass_cost.one
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
-            guesses = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
-            guesses = guesses_of[r.key] = dataclasses.replace(guesses, prompt_seconds=guesses.prompt_seconds * here)
+            guesses = guesses_of[r.key] = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
             for k in fixed:
                 limit = limits[r.task_id]
                 fixed_rule = DraftRule(k, limit, engine.max_len)
@@ -406,6 +392,11 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 out = replay(drafter, prompts[r.task_id], r.tokens, DraftRule(k, limits[r.task_id], engine.max_len))
                 replays.append(Replay(r.key, k, out.counts, out.open_steps))
 
+    def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
+        return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
+
+    # serially in a step): built only if the costs are measured
+    costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
     if "auto" in ks:
         # k=auto as the engine would choose it on these costs, each request at its load, the acceptance prior
         # carried from request to request in the order they finished (Engine._retire)
@@ -430,22 +421,11 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps))
             prior = next_prior(prior, out.counts)
+    chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
+    probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
     overhead = _overhead(spec, target, engine, probes, costs, batch)
-    # the run's plain step on the probe's prompts, one at a time, against the probe's: the machine's speed then
-    run_steps = [
-        (r.decode or 0.0) / (r.output_tokens - 1)
-        for r in records
-        if r.task_id in chosen and alone[r.load] and r.output_tokens > 1
-    ]
-    scale = time_scale(run_steps, overhead.plain_step)
-    if abs(scale - 1) > 0.05:
-        print(
-            f"the run's plain decode step was {scale:.2f}x this machine's when its costs were timed (the probe's "
-            "prompts, one at a time): those costs are scaled by it",
-            file=sys.stderr,
-        )
-    return replays, costs, overhead, name, batched, scale
+    return replays, costs, overhead, name, batched
 
 
 def _cache_file(kind: str, *key: object) -> Path:
@@ -500,8 +480,6 @@ def _overhead(spec, target, engine, probes, costs, batch: int = 1):
         scales.append(prefill / max(sum(b.prefill_time for b in plain), 1e-9))
         del spec_engine
     overhead = fit_overhead(requests, sum(scales) / len(scales))
-    steps = sorted(b.decode_time / max(b.generated_tokens - 1, 1) for b in plain)
-    overhead = dataclasses.replace(overhead, plain_step=steps[len(steps) // 2])
     if batch > 1:
         bias, spread = _batch_miss(spec, target, engine, probes, costs, overhead, batch)
         overhead = dataclasses.replace(overhead, batch=batch, batch_error=spread, batch_bias=bias)
@@ -595,12 +573,6 @@ class _Quiet:
         return True
 
 
-def curve_context(records) -> int:
-    """The context the pass-cost curve is timed at: the run's median (prompt + half the output), rounded down to 64."""
-    lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
-    return 64 * (lengths[len(lengths) // 2] // 64)
-
-
 def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now on `make_engine()` (and
     cached). A curve from another CPU or kernel variant than the run's is refused unless given with --costs."""
@@ -627,7 +599,8 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     longest = max([k for k in ks if isinstance(k, int)] + [DEFAULT_K_MAX if "auto" in ks else 0, PROBE_KS[-1]])
     top = int(concurrency) * (longest + 1)  # measured once for every k up to 8 at least
     sizes = [s for s in COST_SIZES if s < top] + [top]
-    context = curve_context(records)
+    lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
+    context = 64 * (lengths[len(lengths) // 2] // 64)  # the median context, rounded down
     path = _cache_file("", target.model.kernels, sha, context)
     if path.is_file():
         try:

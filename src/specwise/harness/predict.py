@@ -170,7 +170,6 @@ class StepOverhead:
     batch_error: float = 0.0  # … and the model's relative error there, which cells above concurrency 1 carry
     requests: int = 1  # how many requests the fit saw (its own error is a request's over the square root of this)
     batch_bias: float = 0.0  # the model's mean relative miss (signed) on the batched probe: decode above c=1 corrected
-    plain_step: float = 0.0  # the probe's plain requests' median seconds a decode step (0: not measured)
 
     def correction(self, concurrency: float) -> float:
         """What a predicted decode at this concurrency is multiplied by: the batched probe's mean miss, in full at
@@ -199,7 +198,6 @@ class StepOverhead:
             "batch_error": self.batch_error,
             "requests": self.requests,
             "batch_bias": self.batch_bias,
-            "plain_step": self.plain_step,
         }
 
     @classmethod
@@ -221,13 +219,8 @@ class StepOverhead:
         bias = doc.get("batch_bias", 0.0)
         if not isinstance(bias, int | float) or not math.isfinite(bias) or not -1 < bias < 10:
             raise SpecwiseError(f"{where}: 'batch_bias' must be a relative miss above -1")
-        plain = doc.get("plain_step")
-        if not isinstance(plain, int | float) or not math.isfinite(plain) or plain <= 0:
-            raise SpecwiseError(f"{where}: 'plain_step' must be a positive number of seconds")
         base, per = float(values[0]), float(values[1])  # type: ignore[arg-type]
-        return cls(
-            base, per, float(scale), float(errors[0]), batch, float(errors[1]), requests, float(bias), float(plain)
-        )
+        return cls(base, per, float(scale), float(errors[0]), batch, float(errors[1]), requests, float(bias))
 
 
 def drafted_histogram(counts: SpecCounts) -> dict[int, int]:
@@ -256,19 +249,6 @@ class TimeModel:
     costs: PassCosts
     overhead: StepOverhead = StepOverhead()
     batched: bool = False
-    scale: float = 1.0  # how much slower the machine ran the baseline than when the costs were timed (`time_scale`)
-
-
-def time_scale(run_steps: list[float], probe_step: float) -> float:
-    """How much slower (> 1) the machine ran the baseline than when the pass costs and the probe were timed: the
-    median of the run's plain seconds a decode step, one request at a time, on the probe's own prompts, over the
-    probe's. On a shared host the same 2-core VM ran a plain 1.5B step at 43 ms and at 66 ms the same evening, and a
-    prediction that added costs timed on the fast machine to a baseline measured on the slow one came out 12% high.
-    1.0 where either is unknown."""
-    steps = sorted(x for x in run_steps if x > 0)
-    if not steps or probe_step <= 0:
-        return 1.0
-    return steps[len(steps) // 2] / probe_step
 
 
 def predicted_record(
@@ -279,8 +259,8 @@ def predicted_record(
     of it inside this request's decode, which a shorter decode still holds — in a closed loop as many others start
     while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
     model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
-    batch on the steps that drafted — these three timed on this machine, in the baseline's time by `model.scale`."""
-    costs, overhead, batched, scale = model.costs, model.overhead, model.batched, model.scale
+    batch on the steps that drafted."""
+    costs, overhead, batched = model.costs, model.overhead, model.batched
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
     per_step = max((base.decode or 0.0) - interference, 0.0) / plain_steps
@@ -292,10 +272,13 @@ def predicted_record(
     share = drafting_steps / counts.steps if counts.steps else 0.0
     # A draft model's batch costs about what the target's passes say c rows cost against one.
     drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if batched else c)
-    timed_here = drafting_steps * c * overhead.at(mean) + extra_pass_seconds(counts, c, costs) + drafting
-    decode = (counts.steps * per_step + min(interference, base.decode or 0.0) + timed_here * scale) * (
-        1 + (overhead.correction(c) - 1) * share
-    )
+    decode = (
+        counts.steps * per_step
+        + drafting_steps * c * overhead.at(mean)
+        + min(interference, base.decode or 0.0)
+        + extra_pass_seconds(counts, c, costs)
+        + drafting
+    ) * (1 + (overhead.correction(c) - 1) * share)
     prefill = (base.prefill or 0.0) * (1 + (overhead.prefill_scale - 1) * share)
     e2e = None if base.e2e is None else base.e2e - (base.decode or 0.0) - (base.prefill or 0.0) + prefill + decode
     return dataclasses.replace(
@@ -318,7 +301,6 @@ def predicted_run(
     costs: PassCosts,
     overhead: StepOverhead | None = None,
     batched: bool = False,
-    scale: float = 1.0,
 ) -> Run:
     """`run`'s baseline beside one predicted configuration per k (`"<drafter> k=K (predicted)"`), its closed-loop
     loads only, ready for `analyze.analyze`; `batched`: the drafter is a draft model (see `predicted_record`)."""
@@ -337,7 +319,7 @@ def predicted_run(
         b = base[rp.key]
         inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
         name = config_name(drafter, rp.k)
-        model = TimeModel(costs, overhead or StepOverhead(), batched, scale)
+        model = TimeModel(costs, overhead or StepOverhead(), batched)
         records.append(predicted_record(b, rp, name, value[b.load], model, inside))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
