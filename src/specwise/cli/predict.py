@@ -318,7 +318,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     )
     from specwise.harness.backends import WARM_UP
     from specwise.harness.evaluate import engine_batch, workload_from
-    from specwise.harness.predict import Replay, batch_mates
+    from specwise.harness.predict import Replay
     from specwise.harness.provenance import Target
     from specwise.specs import HARNESS_MAX_LEN
 
@@ -409,37 +409,18 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             fed = sum(g.prompt_seconds for g in guesses_of.values())
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
-        # Each request's batch mates: the requests that ran beside it in the baseline, accepting as they did alone
-        # (a task's acceptance from its own replay at concurrency 1 — the same output at every load — or else at
-        # its longest fixed k); a mate whose task has neither counts as this request's like.
-        alpha_of: dict[str, float] = {}
-        for rp in sorted((rp for rp in replays if isinstance(rp.k, int)), key=lambda rp: rp.k):
-            if rp.counts.token_acceptance is not None:
-                alpha_of[rp.key[2]] = rp.counts.token_acceptance
-        mates_of = batch_mates(records, load_of)
         for r in ordered:
             assert r.tokens is not None
             limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
-            mates = [alpha_of[t] for t in mates_of.get(r.key, []) if t in alpha_of]
-            rule = AdaptiveRule(
-                model,
-                name,
-                0.5 if prior is None else prior,
-                int(load_of[r.load]),
-                limit,
-                mates,
-                alpha_of.get(r.task_id),
-            )
+            rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit)
             if guessing:
                 out = replay_guesses(
                     guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
                 )
             else:
                 out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
-            replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.mates_drafted))
+            replays.append(Replay(r.key, "auto", out.counts, out.open_steps))
             prior = next_prior(prior, out.counts)
-            if rule.rows == 1 and out.counts.token_acceptance is not None:
-                alpha_of[r.task_id] = out.counts.token_acceptance
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +61,6 @@ class Replayed:
     counts: SpecCounts  # steps, drafted, accepted, per position; drafting_time is what the drafter took here
     open_steps: int = 0  # steps whose draft reached past the output's end: their accepted count is a lower bound
     tokens: int = 0  # output tokens replayed
-    mates_drafted: float | None = None  # k=auto beside known mates: tokens they drafted per step (AdaptiveRule)
 
 
 @dataclass(frozen=True)
@@ -79,12 +78,11 @@ class DraftRule:
 
 class AdaptiveRule:
     """k=auto as the engine decides it (`AdaptiveK`, `draft_length.holds_catch_up`, `plan_batch`) for one request
-    in a batch of `rows`, on given costs: the controller's choice from the acceptance it has seen, within the
-    request's room (`DraftRule`); held while the drafter's cache lags behind by more than it can win back (a drafter
-    without a measured catch-up price in `costs` never is); cut to what pays for the batch's pass. The batch's other
-    rows are `mates` (the acceptance of the requests that ran beside this one, each choosing its own k), or, without
-    them, rows like this one. An estimate, not a replay of a run's own choices: the engine decides from timings
-    measured while it runs, and its mates' acceptance moves step by step where a mate's here is one number."""
+    in a batch of `rows` whose other rows are like it (same acceptance, same choice), on given costs: the
+    controller's choice from the acceptance it has seen, within the request's room (`DraftRule`); held while the
+    drafter's cache lags behind by more than it can win back (a drafter without a measured catch-up price in
+    `costs` never is); cut to what pays for the batch's pass. An estimate, not a replay of a run's own choices: the
+    engine decides from timings measured while it runs, and its batches mix requests that accept differently."""
 
     def __init__(
         self,
@@ -93,44 +91,20 @@ class AdaptiveRule:
         prior_alpha: float,
         rows: int,
         limit: DraftRule,
-        mates: Sequence[float] = (),
-        alpha: float | None = None,
     ):
         self.costs, self.drafter, self.rows, self.limit = costs, drafter, max(rows, 1), limit
         self.controller = AdaptiveK(costs, limit.k, prior_alpha=prior_alpha, drafter=drafter)
         self.fed = 0  # tokens of prompt + output the drafter's cache holds
-        self.mates = list(mates)[: self.rows - 1]
-        self.alpha = alpha  # this request's own acceptance as its mates' is known (alone), for the batch's plan
-        self.mates_drafted = 0  # tokens the mates drafted over the steps planned (what this row's passes also hold)
-        self.planned = 0  # steps planned
 
     def room(self, prompt_len: int, p: int) -> int:
         k = min(self.controller.choose(), self.limit.room(prompt_len, p))
         unseen, remaining = prompt_len + p - self.fed, self.limit.max_new_tokens - p
         if k and holds_catch_up(self.costs, self.drafter, self.rows, self.limit.k, unseen, remaining):
             k = 0
-        if k and self.rows > 1 and not self.mates:  # the other rows as this one: a batch of one workload's requests
+        if k and self.rows > 1:  # the other rows as this one: a batch of one workload's requests
             planned = plan_batch([(self.controller.alpha, k, self.drafter)] * self.rows, 0, self.costs)
             k = k if planned is None else planned[0]
-        elif self.mates:  # this row (if it drafts) beside its mates, each as its own controller would choose
-            rows = [(a, self._choice(a), self.drafter) for a in self.mates]
-            own = self.controller.alpha if self.alpha is None else self.alpha  # on the mates' footing
-            planned = plan_batch(([(own, k, self.drafter)] if k else []) + rows, 0 if k else 1, self.costs)
-            if planned is not None:
-                if k:
-                    k, planned = planned[0], planned[1:]
-                self.mates_drafted += sum(planned)
-                self.planned += 1
         return k
-
-    def _choice(self, alpha: float) -> int:
-        """The draft length a mate accepting at `alpha` would ask for (its own controller's, before the batch)."""
-        return AdaptiveK(self.costs, self.limit.k, prior_alpha=alpha, drafter=self.drafter).choose()
-
-    @property
-    def mates_per_step(self) -> float | None:
-        """Tokens the mates drafted per step, on average (None: no mates planned)."""
-        return self.mates_drafted / self.planned if self.planned else None
 
     def observe(self, prompt_len: int, p: int, drafted: int, accepted: int) -> None:
         """A step at output position p drafted `drafted` and had `accepted` of them accepted."""
@@ -163,7 +137,7 @@ def walk(
         if isinstance(rule, AdaptiveRule):
             rule.observe(prompt_len, p, len(draft), a)
         p += a + 1
-    return Replayed(counts, open_steps, n, rule.mates_per_step if isinstance(rule, AdaptiveRule) else None)
+    return Replayed(counts, open_steps, n)
 
 
 def replay(

@@ -126,7 +126,6 @@ class Replay:
     k: int | str  # a draft length, or "auto" (adaptive k as the engine would choose it on the measured costs)
     counts: SpecCounts
     open_steps: int = 0
-    mates_drafted: float | None = None  # tokens the rows beside it drafted per step (k=auto beside known mates)
 
 
 def baseline_records(run: Run) -> list[Record]:
@@ -224,23 +223,6 @@ class StepOverhead:
         return cls(base, per, float(scale), float(errors[0]), batch, float(errors[1]), requests, float(bias))
 
 
-def batch_mates(records: list[Record], load_of: dict[str, float]) -> dict[tuple[str, str, str, int], list[str]]:
-    """For each record at a load above 1, the tasks of the c − 1 records of its load and repeat that overlapped it
-    longest in time (the rows it shared its passes with), longest first; none for records without timestamps."""
-    out: dict[tuple[str, str, str, int], list[str]] = {}
-    for r in records:
-        c = int(load_of.get(r.load, 1))
-        if c <= 1 or r.finished <= r.started:
-            continue
-        overlaps = [
-            (min(r.finished, o.finished) - max(r.started, o.started), o.task_id)
-            for o in records
-            if o is not r and o.load == r.load and o.repeat == r.repeat
-        ]
-        out[r.key] = [t for span, t in sorted(overlaps, key=lambda x: -x[0]) if span > 0][: c - 1]
-    return out
-
-
 def drafted_histogram(counts: SpecCounts) -> dict[int, int]:
     """Steps by how many tokens they drafted (from the per-position counts: steps drafting ≥ i+1 tokens)."""
     per = counts.drafted_per_position
@@ -249,15 +231,12 @@ def drafted_histogram(counts: SpecCounts) -> dict[int, int]:
     return {j: n for j, n in hist.items() if n}
 
 
-def extra_pass_seconds(
-    counts: SpecCounts, concurrency: float, costs: PassCosts, mates_drafted: float | None = None
-) -> float:
+def extra_pass_seconds(counts: SpecCounts, concurrency: float, costs: PassCosts) -> float:
     """What a request's verification passes cost beyond plain passes at this concurrency: each step's pass holds its
-    own draft (from the replay's histogram) and the other c − 1 rows with their drafts — `mates_drafted` tokens a
-    step where the replay knew them, else each as much as this request's mean draft."""
+    own draft (from the replay's histogram) and the other c − 1 rows' mean draft."""
     c = max(concurrency, 1.0)
     mean = counts.drafted / counts.steps if counts.steps else 0.0
-    others = (c - 1) * (1 + mean) if mates_drafted is None else (c - 1) + mates_drafted
+    others = (c - 1) * (1 + mean)
     plain = costs.at(c)
     return sum(n * (costs.at(1 + j + others) - plain) for j, n in drafted_histogram(counts).items())
 
@@ -297,7 +276,7 @@ def predicted_record(
         counts.steps * per_step
         + drafting_steps * c * overhead.at(mean)
         + min(interference, base.decode or 0.0)
-        + extra_pass_seconds(counts, c, costs, replay.mates_drafted)
+        + extra_pass_seconds(counts, c, costs)
         + drafting
     ) * (1 + (overhead.correction(c) - 1) * share)
     prefill = (base.prefill or 0.0) * (1 + (overhead.prefill_scale - 1) * share)
