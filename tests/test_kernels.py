@@ -420,7 +420,7 @@ K_QUANTS = {  # types gguf-py cannot quantise: block bytes, (fp16 at, value)
     "Q2_K": (84, [(80, 0.01), (82, 0.002)]),
     "IQ4_NL": (18, [(0, 0.002)]),
     "IQ4_XS": (136, [(0, 0.002)]),
-}  # block bytes, (fp16 at, value)
+}
 
 
 def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tuple[str, ...] = ()) -> None:
@@ -464,7 +464,7 @@ def write_gguf(path, types: dict[str, str], meta: dict | None = None, skip: tupl
             continue
         kind = types.get(name, "F32")
         data = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-        if kind in K_QUANTS:  # gguf-py cannot quantise K-quants: random blocks with sane fp16 scales
+        if kind in K_QUANTS:  # random blocks with sane fp16 scales
             size, scales = K_QUANTS[kind]
             block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]  # inputs a block holds
             blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
@@ -581,8 +581,8 @@ def test_every_gguf_type_packs_to_its_dequantised_values(tmp_path, types):
     fused(layer.down, ["ffn_down"])
     for p, name in ((weights.embed, "token_embd.weight"), (weights.head, "output.weight")):
         assert p.fmt == OWN_FORMAT[types[name]] and torch.equal(p.dequantize(), raw[name]), name
-    widened = sorted(t for t in set(types.values()) if OWN_FORMAT[t] == K.BF16)  # said, not hidden in the list
-    said = ("; in bf16: " + ", ".join(widened)) if widened else ""
+    in_bf16 = sorted(t for t in set(types.values()) if OWN_FORMAT[t] == K.BF16)  # said, not hidden in the list
+    said = ("; in bf16: " + ", ".join(in_bf16)) if in_bf16 else ""
     assert weights.precision == f"native ({', '.join(sorted(set(types.values())))}{said})"
     check_invariance(NativeDecoder(weights), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [9, 8, 7, 6, 5, 4, 3])
 

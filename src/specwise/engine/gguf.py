@@ -189,7 +189,7 @@ def _iq4_as_q8(kind: str, blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]
     superblocks (fp16 d, the scales' high 2 bits as a u16, their low 4 bits in 4 bytes, then 8 such 16-byte runs)
     as Q8: the table's int8 values and each 32 inputs' scale (IQ4_XS: d·(ls − 32) in fp32, an exact product)."""
     qs = blocks[..., 2:18] if kind == "IQ4_NL" else blocks[..., 8:136].reshape(n, blocks.shape[1], 8, 16)
-    q = IQ4_VALUES[np.concatenate([qs & 15, qs >> 4], axis=-1)].reshape(n, -1)
+    q = IQ4_VALUES[_nibbles(qs)].reshape(n, -1)
     d = _f16(blocks[..., 0:2])
     if kind == "IQ4_XS":
         high = blocks[..., 2:4].copy().view(np.uint16)  # (n, nsb, 1): 2 bits per 32-block, block 0 lowest
@@ -198,6 +198,11 @@ def _iq4_as_q8(kind: str, blocks: np.ndarray, n: int) -> dict[str, torch.Tensor]
         ls = (low | (high << 4)).astype(np.float32) - 32
         d = (d.astype(np.float32)[..., None] * ls).reshape(n, -1)
     return {"q": torch.from_numpy(np.ascontiguousarray(q)), "d": torch.from_numpy(np.ascontiguousarray(d))}
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """GGUF's 32-value nibble runs: (..., 16) bytes → (..., 32) values, the low nibbles first, then the high ones."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
 
 
 def _bits(packed: np.ndarray, count: int) -> np.ndarray:
@@ -228,7 +233,7 @@ def decode(t, data: np.ndarray | None = None) -> tuple[str, dict[str, torch.Tens
             q = blocks[..., 2:34].copy().view(np.int8).reshape(n, -1)
             return "q8", {"q": torch.from_numpy(q), "d": torch.from_numpy(d)}
         qs = blocks[..., -16:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
+        q = _nibbles(qs).reshape(n, -1)
         m = (np.float16(-8.0) * d) if kind == "Q4_0" else _f16(blocks[..., 2:4])  # exact: a power of two
         return "q4", {"q": torch.from_numpy(q), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
     if kind in ("Q5_0", "Q5_1"):
@@ -236,7 +241,7 @@ def decode(t, data: np.ndarray | None = None) -> tuple[str, dict[str, torch.Tens
         off = 2 if kind == "Q5_0" else 4
         high = _bits(blocks[..., off : off + 4], 32)  # bit j: value j's bit 4
         qs = blocks[..., off + 4 : off + 20]
-        q = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (high << 4)).reshape(n, -1)
+        q = (_nibbles(qs) | (high << 4)).reshape(n, -1)
         if kind == "Q5_1":
             m = _f16(blocks[..., 2:4])
         else:  # −16d: exact in fp16 unless it overflows; then fp32 scales (the same numbers)

@@ -379,8 +379,8 @@ def from_gguf(path, cfg: ModelConfig) -> NativeWeights:
         )
     embed = packed(["model.embed_tokens.weight"])
     head = embed if cfg.tie_word_embeddings else packed(["lm_head.weight"])
-    widened = sorted(types - gguf.NATIVE_TYPES - {"F32"})  # no kernel format of their own: run in bf16
-    precision = "native (" + ", ".join(sorted(types)) + (f"; in bf16: {', '.join(widened)}" if widened else "") + ")"
+    in_bf16 = sorted(types - gguf.NATIVE_TYPES - {"BF16"})  # no kernel format of their own (a 2-D F32 either)
+    precision = "native (" + ", ".join(sorted(types)) + (f"; in bf16: {', '.join(in_bf16)}" if in_bf16 else "") + ")"
     return NativeWeights(cfg, precision, embed, head, dense("model.norm.weight"), layers)
 
 
