@@ -6,6 +6,7 @@ import torch
 from conftest import write_tiny_model
 
 from specwise.engine import load_target
+from specwise.errors import SpecwiseError
 
 
 def hf_logits(directory, ids):
@@ -197,3 +198,23 @@ def test_shapes_the_kernels_do_not_take_fall_back_to_the_reference_decoder(tmp_p
     assert (our_logits(target.model, IDS) - hf_logits(d, IDS)).abs().max().item() <= 1e-4
     with pytest.raises(SpecwiseError, match="not batch-invariant"):
         Engine(target, drafter="ngram")
+
+
+@pytest.mark.embedded
+def test_a_chat_template_compiled_once_still_refuses_what_it_refuses(embedded):
+    """The template is compiled on first use and kept; a template's own refusal and one that does not compile are
+    clear errors on every call, not only the first."""
+    import copy
+
+    tok = copy.copy(embedded.tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    first = tok.apply_chat_template(messages)
+    assert tok._template is not None and tok.apply_chat_template(messages) == first
+    tok.chat_template, tok._template = "{{ raise_exception('only one user turn') }}", None
+    for _ in range(2):
+        with pytest.raises(SpecwiseError, match="refused the messages: only one user turn"):
+            tok.apply_chat_template(messages)
+    tok.chat_template, tok._template = "{% for m in messages %}", None  # never closed
+    for _ in range(2):
+        with pytest.raises(SpecwiseError, match="failed to render"):
+            tok.apply_chat_template(messages)

@@ -202,6 +202,7 @@ def test_pass_costs_interpolate_and_never_fall_with_more_rows():
 def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_does(embedded, spec):
     """The draft model's guesses after every prefix of the output (one pass) give the same counts as asking it to
     draft at every step, for every k — on row-invariant kernels the guesses are the tokens it would draft."""
+    from specwise.engine.drafters.draft_model import LONG_CATCH_UP
     from specwise.engine.replay import can_guess, greedy_guesses, replay_guesses
 
     spec = _drafter(spec)
@@ -217,6 +218,12 @@ def test_one_pass_of_a_greedy_draft_model_replays_what_drafting_token_by_token_d
             fast = replay_guesses(guesses, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             slow = replay(drafter, ids, out, DraftRule(k, MAX_NEW, plain.max_len))
             assert _counts(fast.counts) == _counts(slow.counts) and fast.open_steps == slow.open_steps, (prompt, k)
+            # the catch-up on the prompt, which a batch's other rows wait for, is told apart from drafting (a
+            # prompt longer than LONG_CATCH_UP is fed alone; a shorter one rides in the first draft pass)
+            drafted = fast.counts.drafted > 0  # (an output of one token has no step to draft in)
+            assert fast.catch_up == (guesses.prompt_seconds if drafted else 0.0)
+            assert slow.catch_up <= slow.counts.drafting_time
+            assert (slow.catch_up > 0) == (drafted and len(ids) + 1 > LONG_CATCH_UP), (prompt, len(ids))
 
 
 @pytest.mark.parametrize("spec", ["int8", "model@1024"])
@@ -399,6 +406,31 @@ def test_monitor_predict_replays_plainly_served_traffic_into_the_tests_and_predi
     assert _now_column(out, "acceptance rate") == f"{logged:.2f}"
     watch = cli("monitor", "--baseline", baseline_run, "--log", served_log, "--predict", "--watch", check=False)
     assert watch.returncode == 2 and "run it alone" in watch.stderr
+
+
+def test_a_batched_draft_models_catch_ups_cost_every_row_and_its_own_is_not_scaled_with_the_batch():
+    """At concurrency c a draft model drafts for every row in one pass (its own pass curve, not the target's),
+    catches up on each new prompt alone (not scaled), and every row waits for the other rows' catch-ups."""
+    from specwise.harness.predict import Replay, StepOverhead, TimeModel, predicted_record
+    from specwise.harness.store import Record
+    from specwise.speccounts import SpecCounts
+
+    costs = PassCosts({1: 0.010, 4: 0.020, 16: 0.050}, "cpu", "avx2", "ab" * 32)
+    base = Record("baseline", "concurrent@4", "t", 0, ["g"], e2e=1.1, prefill=0.1, decode=1.0, output_tokens=101)
+    counts = SpecCounts()
+    for _ in range(50):
+        counts.observe_step(1, 1, 0.004)  # 0.2 s of drafting in all …
+    counts.drafting_time += 0.05  # … and 0.05 s catching up on the prompt
+    replay = Replay(base.key, 1, counts, catch_up=0.05)
+    model = TimeModel(costs, StepOverhead(), batched=True, draft_pass=(0.004, 0.001))
+
+    def decode(m: TimeModel, catch_ups: float = 0.0) -> float:
+        return predicted_record(base, replay, "x", 4, m, 0.0, catch_ups).decode or 0.0
+
+    assert model.draft_scale(4) == pytest.approx(1.75)  # the draft's own: (0.004 + 3 × 0.001) / 0.004
+    unscaled = decode(dataclasses.replace(model, draft_pass=(0.0, 0.0)))  # the target's curve: 0.020 / 0.010
+    assert decode(model) - unscaled == pytest.approx(0.2 * (1.75 - 2.0))  # the catch-up scaled by neither
+    assert decode(model, 0.3) - decode(model) == pytest.approx(0.3)  # the others' catch-ups, whole
 
 
 def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_drafts_free():

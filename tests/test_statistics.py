@@ -17,6 +17,17 @@ def test_percentiles_of_known_data():
     assert s.n == 2 and s.mean == 3.0 and s.p50 == 3.0
 
 
+def test_percentiles_equal_numpys_to_the_last_bit():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        values = list(rng.lognormal(0, 1, int(rng.integers(1, 40))) * rng.choice([1e-3, 1.0, 1e3]))
+        qs = [50, 90, 99, float(rng.uniform(0, 100))]
+        want = np.percentile(np.asarray(values), qs)
+        assert [percentile(values, q) for q in qs] == [float(w) for w in want]
+        s = summarize(values)
+        assert (s.p50, s.p90, s.p99, s.mean) == (*map(float, want[:3]), float(np.mean(values)))
+
+
 def test_speedup_point_estimate_is_ratio_of_totals():
     iv = speedup_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
     assert iv.value == pytest.approx(2.0) and iv.lo == pytest.approx(2.0) and iv.hi == pytest.approx(2.0)

@@ -122,8 +122,8 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     measured = load_run(run_path)
     records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
     check_predictable(drafter, ks, measured.plan.temperature > 0)
-    replays, costs, overhead, name, batched = _replay(setup, drafter, measured, records, ks)
-    predicted = predicted_run(measured, replays, name, costs, overhead, batched)
+    replays, costs, overhead, name, batched, draft_pass = _replay(setup, drafter, measured, records, ks)
+    predicted = predicted_run(measured, replays, name, costs, overhead, batched, draft_pass)
     predicted.analysis = analyze(predicted, model_error=overhead.cell_error)
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
 
@@ -375,7 +375,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 out = replay_guesses(
                     guesses, prompts[r.task_id], r.tokens, fixed_rule, pass_cost, guesses_alone and alone[r.load]
                 )
-                replays.append(Replay(r.key, k, out.counts, out.open_steps))
+                replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
     else:
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
         warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
@@ -390,7 +390,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             for r in ordered:
                 assert r.tokens is not None
                 out = replay(drafter, prompts[r.task_id], r.tokens, DraftRule(k, limits[r.task_id], engine.max_len))
-                replays.append(Replay(r.key, k, out.counts, out.open_steps))
+                replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
 
     def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
         return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
@@ -419,13 +419,13 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 )
             else:
                 out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
-            replays.append(Replay(r.key, "auto", out.counts, out.open_steps))
+            replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.catch_up))
             prior = next_prior(prior, out.counts)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
     overhead = _overhead(spec, target, engine, probes, costs, batch)
-    return replays, costs, overhead, name, batched
+    return replays, costs, overhead, name, batched, (pass_cost.one, pass_cost.per_row)
 
 
 def _cache_file(kind: str, *key: object) -> Path:

@@ -20,6 +20,7 @@ accepted draft token is the output's own). Every k is replayed from the same gue
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class Replayed:
     counts: SpecCounts  # steps, drafted, accepted, per position; drafting_time is what the drafter took here
     open_steps: int = 0  # steps whose draft reached past the output's end: their accepted count is a lower bound
     tokens: int = 0  # output tokens replayed
+    catch_up: float = 0.0  # of drafting_time: a draft model's passes over unseen text (the prompt, gaps) alone
 
 
 @dataclass(frozen=True)
@@ -151,15 +153,17 @@ def replay(
     """`walk` asking `drafter` at every step (timed); the drafter's slot is released at the end, as the engine does
     when a request finishes (so a suffix drafter's history grows as it would have)."""
     view = ReplayView(slot, list(prompt_ids), len(prompt_ids), history=history)
+    paid = [0.0]  # a draft model's catching up alone (`ModelDrafter.one_off_seconds`)
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) : p]  # committed so far, one list
         t0 = time.perf_counter()
         draft = drafter.propose([view], [ke])[0].tokens
+        paid[0] += float(getattr(drafter, "one_off_seconds", 0.0))
         return draft, time.perf_counter() - t0
 
     try:
-        return walk(propose, len(prompt_ids), output_ids, rule)
+        return dataclasses.replace(walk(propose, len(prompt_ids), output_ids, rule), catch_up=paid[0])
     finally:
         view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) :]  # the request's whole output, as
         drafter.release(slot)  # the engine's sequence holds it when it retires
@@ -272,6 +276,7 @@ def replay_guesses(
     time as the engine's do (`CostModel.observe_draft`), priced alone when the rule's batch is one row."""
     prompt_len = len(prompt_ids)
     caught_up = [False]
+    paid = [0.0]  # seconds of catching up: in a batch, a pass the other rows wait for too
     per_token = guesses.prompt_seconds / max(prompt_len, 1)  # catching up on a token, as the prompt's pass did
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
@@ -282,13 +287,14 @@ def replay_guesses(
         else:
             catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
+        paid[0] += catch_up
         fed = guessed_passes(guesses, prompt_ids, output_ids, p, ke) if alone else [0] * ke
         drafting = sum(cost.at(1 + g) for g in fed)
         if isinstance(rule, AdaptiveRule):
             rule.costs.observe_draft(ke, drafting, rule.drafter, rule.rows, len(fed))
         return draft + [-1] * (ke - len(draft)), drafting + catch_up
 
-    return walk(propose, prompt_len, output_ids, rule)
+    return dataclasses.replace(walk(propose, prompt_len, output_ids, rule), catch_up=paid[0])
 
 
 def as_in_a_step(drafter: ModelDrafter) -> contextlib.AbstractContextManager:

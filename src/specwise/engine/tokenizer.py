@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from specwise.errors import SpecwiseError
 
@@ -31,6 +32,7 @@ class Tokenizer:
         if (directory / "chat_template.jinja").exists():
             template = (directory / "chat_template.jinja").read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
+        self._template: Any = None  # the chat template compiled (`_compiled_template`)
         self.bos_token = self._token_text(config.get("bos_token"))
         self.eos_token = self._token_text(config.get("eos_token"))
         self.eos_ids = self._eos_ids(directory, self.eos_token)
@@ -65,19 +67,14 @@ class Tokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text the model was trained on."""
+        """Render chat messages to the prompt text the model was trained on (the template compiled once: compiling
+        took 4 ms, as long as a step of the embedded model, on every chat request)."""
         if self.chat_template is None:
             raise SpecwiseError("this model has no chat template; pass a plain prompt instead of messages")
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise SpecwiseError(f"chat template refused the messages: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            return self._compiled_template().render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -85,3 +82,17 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise SpecwiseError(f"chat template failed to render: {exc}") from exc
+
+    def _compiled_template(self) -> Any:
+        """The chat template as a jinja2 template in a sandbox (compiled on first use; a template that does not
+        compile raises its TemplateError on every use)."""
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise SpecwiseError(f"chat template refused the messages: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template or "")
+        return self._template

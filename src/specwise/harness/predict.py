@@ -126,6 +126,7 @@ class Replay:
     k: int | str  # a draft length, or "auto" (adaptive k as the engine would choose it on the measured costs)
     counts: SpecCounts
     open_steps: int = 0
+    catch_up: float = 0.0  # of counts.drafting_time: a draft model catching up alone on unseen text (its prompt)
 
 
 def baseline_records(run: Run) -> list[Record]:
@@ -249,17 +250,34 @@ class TimeModel:
     costs: PassCosts
     overhead: StepOverhead = StepOverhead()
     batched: bool = False
+    draft_pass: tuple[float, float] = (0.0, 0.0)  # a draft model's pass: seconds for one row, and for each further
+
+    def draft_scale(self, rows: float) -> float:
+        """What a batched draft pass over `rows` rows costs against one row's: the draft's own measured pass where
+        there is one, else what the target's passes say."""
+        one, per_row = self.draft_pass
+        if one > 0:
+            return 1 + per_row * (max(rows, 1.0) - 1) / one
+        return self.costs.at(rows) / self.costs.at(1)
 
 
 def predicted_record(
-    base: Record, replay: Replay, config: str, concurrency: float, model: TimeModel, interference: float = 0.0
+    base: Record,
+    replay: Replay,
+    config: str,
+    concurrency: float,
+    model: TimeModel,
+    interference: float = 0.0,
+    catch_ups: float = 0.0,
 ) -> Record:
     """The speculative record the cost model predicts for `base` (same output, predicted prefill and decode): each
     step costs the baseline's measured step less its share of other requests' prefill (`interference`: the seconds
     of it inside this request's decode, which a shorter decode still holds — in a closed loop as many others start
     while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
     model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
-    batch on the steps that drafted."""
+    batch on the steps that drafted. A draft model's catching up on a new prompt is a pass of its own that the whole
+    batch waits for: this request's own once (`replay.catch_up`, not scaled with the batch), and the other rows'
+    (`catch_ups`: their seconds inside this request's decode, as `interference` counts their prefills)."""
     costs, overhead, batched = model.costs, model.overhead, model.batched
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
@@ -270,8 +288,11 @@ def predicted_record(
     drafting_steps = counts.steps - drafted_histogram(counts).get(0, 0)
     mean = counts.drafted / drafting_steps if drafting_steps else 0.0
     share = drafting_steps / counts.steps if counts.steps else 0.0
-    # A draft model's batch costs about what the target's passes say c rows cost against one.
-    drafting = counts.drafting_time * (costs.at(c) / costs.at(1) if batched else c)
+    if batched:  # a draft model's batch: one pass for all c rows, at its own cost for c rows against one
+        own = min(replay.catch_up, counts.drafting_time)
+        drafting = (counts.drafting_time - own) * model.draft_scale(c) + own + catch_ups
+    else:  # each row drafts in turn
+        drafting = counts.drafting_time * c
     decode = (
         counts.steps * per_step
         + drafting_steps * c * overhead.at(mean)
@@ -301,9 +322,11 @@ def predicted_run(
     costs: PassCosts,
     overhead: StepOverhead | None = None,
     batched: bool = False,
+    draft_pass: tuple[float, float] = (0.0, 0.0),
 ) -> Run:
     """`run`'s baseline beside one predicted configuration per k (`"<drafter> k=K (predicted)"`), its closed-loop
-    loads only, ready for `analyze.analyze`; `batched`: the drafter is a draft model (see `predicted_record`)."""
+    loads only, ready for `analyze.analyze`; `batched`: the drafter is a draft model, `draft_pass` its measured pass
+    (see `TimeModel`, `predicted_record`)."""
     base = {r.key: r for r in baseline_records(run)}
     loads = [ld for ld in run.plan.loads if ld.kind == "concurrent"]
     value = {ld.name: ld.value for ld in loads}
@@ -315,12 +338,17 @@ def predicted_run(
         at = [r for r in records if r.load == ld.name]
         prefill, e2e = [r.prefill or 0.0 for r in at], [r.e2e or 0.0 for r in at]
         means[ld.name] = (sum(prefill) / max(len(at), 1), sum(e2e) / max(len(at), 1))
+    caught: dict[tuple[str, int | str], list[float]] = {}  # per load and k: what each request's draft caught up on
+    for rp in replays:
+        caught.setdefault((base[rp.key].load, rp.k), []).append(rp.catch_up)
+    model = TimeModel(costs, overhead or StepOverhead(), batched, draft_pass)
     for rp in replays:
         b = base[rp.key]
         inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
+        mates = caught[(b.load, rp.k)]
+        others = interference(b.decode or 0.0, value[b.load], sum(mates) / len(mates), means[b.load][1])
         name = config_name(drafter, rp.k)
-        model = TimeModel(costs, overhead or StepOverhead(), batched)
-        records.append(predicted_record(b, rp, name, value[b.load], model, inside))
+        records.append(predicted_record(b, rp, name, value[b.load], model, inside, others if batched else 0.0))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,

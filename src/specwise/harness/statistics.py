@@ -18,7 +18,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear interpolation between order statistics; None for no values."""
     if not len(values):
         return None
-    return float(np.percentile(np.asarray(values, dtype=float), q))
+    return percentiles(sorted(float(v) for v in values), (q,))[0]
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,26 @@ class Summary:
 
 def summarize(values: Sequence[float | None]) -> Summary:
     """The summary of a list of measurements, Nones left out."""
-    arr = np.asarray([v for v in values if v is not None], dtype=float)
-    if not len(arr):
+    kept = [float(v) for v in values if v is not None]
+    if not kept:
         return Summary()
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return Summary(len(arr), float(arr.mean()), float(p50), float(p90), float(p99))
+    p50, p90, p99 = percentiles(sorted(kept), (50, 90, 99))
+    return Summary(len(kept), float(np.mean(kept)), p50, p90, p99)
+
+
+def percentiles(ordered: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """`np.percentile(values, qs)` (linear interpolation) of values already sorted, to the last bit, in plain Python:
+    an analysis summarises hundreds of short lists, where numpy's call costs 20x the arithmetic."""
+    n = len(ordered)
+    out = []
+    for q in qs:
+        at = (n - 1) * (q / 100)
+        i = min(math.floor(at), n - 1)
+        j = min(i + 1, n - 1)
+        t = at - i
+        a, b = ordered[i], ordered[j]
+        out.append(b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t)  # numpy's _lerp, both halves
+    return out
 
 
 @dataclass(frozen=True)
