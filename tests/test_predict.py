@@ -433,6 +433,32 @@ def test_a_batched_draft_models_catch_ups_cost_every_row_and_its_own_is_not_scal
     assert decode(model, 0.3) - decode(model) == pytest.approx(0.3)  # the others' catch-ups, whole
 
 
+def test_the_runs_own_timing_noise_is_read_around_its_context_trend():
+    """Seconds per token grow with context; what varies around that line at concurrency 1 is the machine's noise,
+    recovered from the records (a 10% spread here, whatever the trend), and none is claimed from too few."""
+    import math
+
+    import numpy as np
+
+    from specwise.harness.predict import timing_noise
+    from specwise.harness.store import Record
+
+    rng = np.random.default_rng(5)
+
+    def records(spread: float, n: int = 400, load: str = "concurrent@1") -> list[Record]:
+        out = []
+        for i in range(n):
+            prompt, tokens = int(rng.integers(40, 400)), int(rng.integers(16, 128))
+            per_token = (0.004 + 2e-6 * (prompt + tokens / 2)) * math.exp(rng.normal(0, spread))
+            out.append(Record("baseline", load, f"t{i}", 0, ["g"], prompt_tokens=prompt, output_tokens=tokens,
+                              decode=per_token * (tokens - 1)))  # fmt: skip
+        return out
+
+    assert timing_noise(records(0.10)) == pytest.approx(0.10, rel=0.2)
+    assert timing_noise(records(0.02)) == pytest.approx(0.02, rel=0.2)
+    assert timing_noise(records(0.10, n=7)) == 0.0 and timing_noise(records(0.10, load="concurrent@4")) == 0.0
+
+
 def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_drafts_free():
     """Least squares over the probe's requests (weighted by steps): an exact line is recovered with no miss; a
     probe whose extra time falls as more is drafted is fitted with no cost per drafted token (the drafted rows'

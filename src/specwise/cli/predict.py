@@ -95,6 +95,7 @@ class Prediction:
     costs: Any  # harness.predict.PassCosts
     overhead: Any  # harness.predict.StepOverhead
     open_steps: int
+    noise: float = 0.0  # the baseline's own timing noise (`harness.predict.timing_noise`), which intervals carry
 
 
 def check_predictable(drafter: str, ks: Sequence, sampled: bool) -> None:
@@ -117,15 +118,22 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     """Replay the run's baseline outputs through `drafter` at every k and predict each configuration's records from
     this machine's pass costs; analysed as the evaluation would be, marked as predicted."""
     from specwise.harness.analyze import analyze, load_run
-    from specwise.harness.predict import baseline_records, predicted_run
+    from specwise.harness.predict import baseline_records, predicted_run, timing_noise
 
     measured = load_run(run_path)
     records = baseline_records(measured)  # refuses a run it cannot replay, before anything loads
     check_predictable(drafter, ks, measured.plan.temperature > 0)
     replays, costs, overhead, name, batched, draft_pass = _replay(setup, drafter, measured, records, ks)
     predicted = predicted_run(measured, replays, name, costs, overhead, batched, draft_pass)
-    predicted.analysis = analyze(predicted, model_error=overhead.cell_error)
-    return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays))
+    noise = timing_noise(records)
+
+    def cell_error(concurrency: float, n: int) -> float:
+        """The model's error, and the timing noise an evaluation's cell of n paired requests measures under (its
+        baseline's and its speculative requests' each)."""
+        return math.hypot(overhead.cell_error(concurrency, n), noise * math.sqrt(2 / max(n, 1)))
+
+    predicted.analysis = analyze(predicted, model_error=cell_error)
+    return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,8 +167,10 @@ def run(args: argparse.Namespace) -> int:
     p = predict(run_path, args.drafter, args.k, setup)
     o = p.overhead
     errors = f"{o.error:.0%} one at a time" + (f", {o.batch_error:.0%} at concurrency {o.batch}" if o.batch > 1 else "")
+    errors += f"; and the run's own timing noise, {p.noise:.0%} a request (× √(2/n) a cell)"
     text, doc = _summary(p.measured, p.predicted, p.drafter, args.drafter, p.costs, p.open_steps, errors)
     doc["step_overhead"] = p.overhead.to_json()
+    doc["timing_noise"] = p.noise
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")

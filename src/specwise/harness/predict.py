@@ -157,6 +157,24 @@ def baseline_records(run: Run) -> list[Record]:
     return usable
 
 
+def timing_noise(records: list[Record]) -> float:
+    """How much a request's timing varies on this machine beyond what its length explains, from the baseline run
+    itself: the robust spread (MAD × 1.4826) of log seconds per decoded token at concurrency 1 around a line in
+    context length. An evaluation measures every cell under the same noise, so a predicted interval for what it will
+    measure carries it (0 where the run has no concurrency-1 requests to read it from)."""
+    pts = [
+        (r.prompt_tokens + r.output_tokens / 2, math.log(r.decode / (r.output_tokens - 1)))
+        for r in records
+        if r.load == "concurrent@1" and r.decode and r.output_tokens > 8
+    ]
+    if len(pts) < 8:
+        return 0.0
+    x, y = np.array(pts).T
+    slope, cut = np.polyfit(x, y, 1)
+    residual = y - (slope * x + cut)
+    return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
+
+
 @dataclass(frozen=True)
 class StepOverhead:
     """What a speculative step costs beyond its pass and its drafts (verifying, committing several tokens), per row
