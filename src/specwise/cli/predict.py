@@ -125,7 +125,8 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     check_predictable(drafter, ks, measured.plan.temperature > 0)
     replays, costs, overhead, name, batched, draft_pass = _replay(setup, drafter, measured, records, ks)
     predicted = predicted_run(measured, replays, name, costs, overhead, batched, draft_pass)
-    noise = timing_noise(records)
+    alone = {ld.name for ld in measured.plan.loads if ld.kind == "concurrent" and ld.value == 1}
+    noise = timing_noise(records, alone)
 
     def cell_error(concurrency: float, n: int) -> float:
         """The model's error, and the timing noise an evaluation's cell of n paired requests measures under (its

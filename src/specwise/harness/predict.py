@@ -157,15 +157,15 @@ def baseline_records(run: Run) -> list[Record]:
     return usable
 
 
-def timing_noise(records: list[Record]) -> float:
+def timing_noise(records: list[Record], alone: set[str]) -> float:
     """How much a request's timing varies on this machine beyond what its length explains, from the baseline run
-    itself: the robust spread (MAD × 1.4826) of log seconds per decoded token at concurrency 1 around a line in
-    context length. An evaluation measures every cell under the same noise, so a predicted interval for what it will
-    measure carries it (0 where the run has no concurrency-1 requests to read it from)."""
+    itself: the robust spread (MAD × 1.4826) of log seconds per decoded token at the loads named in `alone` (those
+    of concurrency 1) around a line in context length. An evaluation measures every cell under the same noise, so a
+    predicted interval for what it will measure carries it (0 where the run has too few such requests)."""
     pts = [
         (r.prompt_tokens + r.output_tokens / 2, math.log(r.decode / (r.output_tokens - 1)))
         for r in records
-        if r.load == "concurrent@1" and r.decode and r.output_tokens > 8
+        if r.load in alone and r.decode and r.output_tokens > 8
     ]
     if len(pts) < 8:
         return 0.0
@@ -363,10 +363,10 @@ def predicted_run(
     for rp in replays:
         b = base[rp.key]
         inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
-        mates = caught[(b.load, rp.k)]
+        mates = caught[(b.load, rp.k)]  # (none but a draft model's catch up: 0 for the rest)
         others = interference(b.decode or 0.0, value[b.load], sum(mates) / len(mates), means[b.load][1])
         name = config_name(drafter, rp.k)
-        records.append(predicted_record(b, rp, name, value[b.load], model, inside, others if batched else 0.0))
+        records.append(predicted_record(b, rp, name, value[b.load], model, inside, others))
     plan = dataclasses.replace(run.plan, configs=configs, loads=loads)
     return dataclasses.replace(
         run,
