@@ -9,7 +9,9 @@ n ≥ 4 it prints, for every k and for the fixed ks and k=auto apart:
 - the mean absolute error of the predicted E2E speedup, as a share of the measured one (target ≤ 10%);
 - the share of cells whose predicted 95% interval covers the measured point (target ≥ 80%);
 - the share of cells whose outcome class (wins: lower bound > 1, loses: upper bound < 1, else no clear difference —
-  what each verdict clause says of its cell) is the same predicted and measured (target ≥ 90%);
+  what each verdict clause says of its cell) is the same predicted and measured (target ≥ 90%): the predicted class
+  is the predicted verdict's, judged on the interval the evaluation is expected to report (its timing noise, not the
+  model's error), and the class of the prediction interval itself is printed beside it;
 - evaluate's wall time over predict's, for the same ks (target ≥ 10×) and for the 8-value sweep (target ≥ 30×; the
   sweep's evaluation is estimated as the measured one scaled by the number of configurations it would run), per
   workload: the targets are the built-in's, the unseen workload's are printed beside them.
@@ -97,6 +99,7 @@ def main() -> None:
                         {
                             "workload": label, "drafter": drafter, "k": c["k"], "load": c["load"],
                             "group": c["group"], "n": c["n"], "predicted": p, "measured": m,
+                            "expected": c.get("expected_e2e_interval"),
                         }
                     )  # fmt: skip
                 print(f"{label:>15} {drafter:>14}: evaluate {t_eval:6.1f} s, predict k={args.ks} {t_pred:5.1f} s "
@@ -109,7 +112,8 @@ def main() -> None:
         p, m = c["predicted"], c["measured"]
         c["err"] = abs(p["value"] - m["value"]) / m["value"]
         c["covered"] = p["lo"] <= m["value"] <= p["hi"]
-        c["same"] = outcome(p) == outcome(m)
+        c["same"] = outcome(c["expected"] or p) == outcome(m)  # the predicted verdict's own interval
+        c["same_pi"] = outcome(p) == outcome(m)  # … against classing the prediction interval itself
         interval = f"{p['value']:>8.2f}x [{p['lo']:.2f}–{p['hi']:.2f}]"
         print(f"{c['workload']:>15} {c['drafter']:>14} {c['k']:>4} {c['load']:>14} {c['group']:>12} {c['n']:>3} "
               f"{interval} {m['value']:>8.2f}x {100 * c['err']:>5.1f}%")  # fmt: skip
@@ -128,7 +132,9 @@ def main() -> None:
         covered = 100 * sum(c["covered"] for c in mine) / len(mine)
         same = 100 * sum(c["same"] for c in mine) / len(mine)
         print(f"  predicted interval covers the measured point: {covered:.0f}% of cells (target ≥ 80%)")
-        print(f"  same outcome class (wins / loses / unclear): {same:.0f}% of cells (target ≥ 90%)")
+        same_pi = 100 * sum(c["same_pi"] for c in mine) / len(mine)
+        print(f"  same outcome class (wins / loses / unclear): {same:.0f}% of cells (target ≥ 90%; judged on the "
+              f"prediction interval instead: {same_pi:.0f}%)")  # fmt: skip
     print()
     # The speed targets name the built-in workload; the unseen one (half the tasks, shorter outputs) is
     # printed beside it: predict's fixed cost (importing torch, loading the target: ~1.7 s) weighs more there.

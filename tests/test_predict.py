@@ -160,6 +160,28 @@ def test_predict_from_a_run_sets_predicted_beside_measured_and_chooses_k_per_loa
     assert costs.at(1) > 0 and costs.at(10) >= costs.at(2)
 
 
+def test_a_predicted_verdict_judges_the_evaluations_expected_interval_not_the_model_error(baseline_run):
+    """The model's error moves where a measured point will land, not how wide the evaluation's own interval is: the
+    intervals shown carry it (with the timing noise), the verdict judges the interval widened by the noise alone."""
+    from specwise.harness.analyze import analyze, load_run
+
+    run = load_run(baseline_run)
+    plain = analyze(run)
+    vague = analyze(run, model_error=lambda c, n: 1.0, measurement_noise=lambda c, n: 0.0)
+    noisy = analyze(run, model_error=lambda c, n: 0.0, measurement_noise=lambda c, n: 1.0)
+    for p, v, z in zip(plain.comparisons, vague.comparisons, noisy.comparisons, strict=True):
+        assert v.expected_e2e == p.e2e_speedup  # no noise: the evaluation's interval as it is
+        assert v.e2e_speedup == p.e2e_speedup.widened(1.0) and v.e2e_speedup.lo < 1 < v.e2e_speedup.hi
+        assert z.expected_e2e == z.e2e_speedup == p.e2e_speedup.widened(1.0)
+    assert any(p.e2e_speedup.lo > 1 or p.e2e_speedup.hi < 1 for p in plain.comparisons)  # some cell decided
+    for config, by_kind in plain.verdicts.items():
+        for kind, verdict in by_kind.items():
+            assert vague.verdicts[config][kind] == verdict  # the model's error leaves the verdict alone
+            judged = noisy.verdicts[config][kind]  # the noise does not: no cell is clear any more
+            assert not any(" — wins" in cl.text or " — loses" in cl.text for cl in judged.clauses)
+            assert judged != verdict
+
+
 def test_predict_refuses_what_it_cannot_replay(baseline_run, tmp_path):
     bad = cli("predict", "--from-run", baseline_run, "--drafter", "eagle:/nowhere", check=False)
     assert bad.returncode == 2 and "hidden states" in bad.stderr

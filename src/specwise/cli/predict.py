@@ -128,12 +128,17 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     alone = {ld.name for ld in measured.plan.loads if ld.kind == "concurrent" and ld.value == 1}
     noise = timing_noise(records, alone)
 
-    def cell_error(concurrency: float, n: int) -> float:
-        """The model's error, and the timing noise an evaluation's cell of n paired requests measures under (its
-        baseline's and its speculative requests' each)."""
-        return math.hypot(overhead.cell_error(concurrency, n), noise * math.sqrt(2 / max(n, 1)))
+    def cell_noise(concurrency: float, n: int) -> float:
+        """The timing noise an evaluation's cell of n paired requests measures under (its baseline's and its
+        speculative requests' each): what its own interval carries beyond the tasks' spread."""
+        return noise * math.sqrt(2 / max(n, 1))
 
-    predicted.analysis = analyze(predicted, model_error=cell_error)
+    # the verdict predicted is the evaluation's: judged on the interval it is expected to report (the timing noise
+    # only — the model's error moves where the point lands, not how wide the evaluation's interval is); the
+    # intervals shown carry the model's error too, as a prediction interval for the point it will measure
+    predicted.analysis = analyze(
+        predicted, model_error=lambda c, n: overhead.cell_error(c, n), measurement_noise=cell_noise
+    )
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise)
 
 
@@ -647,7 +652,8 @@ def _summary(measured, predicted, drafter: str, spec: str, costs, open_steps: in
         "the baseline's outputs, pass costs "
         f"measured on {costs.cpu} ({costs.kernels})",
         f"every interval carries the time model's error on real speculative requests (per request, RMS; the fit's "
-        f"own over √ its requests, the cell's over √n): {error}",
+        f"own over √ its requests, the cell's over √n): {error}; the predicted verdicts judge the interval the "
+        "evaluation is expected to report (the run's timing noise, not the model's error)",
         *(
             [f"{open_steps} steps drafted past an output's end (EOS, a stop string): acceptance there is a lower bound"]
             if open_steps
@@ -679,6 +685,7 @@ def _summary(measured, predicted, drafter: str, spec: str, costs, open_steps: in
                 "mean_acceptance_length": mal,
                 "acceptance_rate": row.acceptance_rate,
                 "predicted_e2e_speedup": e.to_dict(),
+                "expected_e2e_interval": c.expected_e2e.to_dict() if c.expected_e2e else None,
                 "predicted_decode_speedup": c.decode_speedup.to_dict() if c.decode_speedup else None,
                 "measured_e2e_speedup": m.e2e_speedup.to_dict() if m else None,
             }

@@ -102,10 +102,16 @@ def row_stats(config: str, load: str, group: str, records: list[Record], phase_s
     )
 
 
-def analyze(run: Run, model_error: Callable[[float, int], float] | None = None) -> Analysis:
-    """Every table the report shows, and a verdict per speculative configuration. `model_error`: a predicted run's
-    relative time-model error for a cell (its load's value, its n requests), added to every speedup interval before
-    any cell is judged."""
+def analyze(
+    run: Run,
+    model_error: Callable[[float, int], float] | None = None,
+    measurement_noise: Callable[[float, int], float] | None = None,
+) -> Analysis:
+    """Every table the report shows, and a verdict per speculative configuration. For a predicted run, per cell (its
+    load's value, its n requests): `measurement_noise`, the relative timing noise an evaluation's own interval would
+    carry — the verdict judges the interval the evaluation is expected to report, widened by it — and
+    `model_error`, the time model's relative error, which the shown speedup intervals carry beside that noise:
+    a prediction interval for the point the evaluation will measure."""
     plan = run.plan
     configs = [c.name for c in plan.configs]
     baseline, specs = configs[0], configs[1:]
@@ -158,15 +164,19 @@ def analyze(run: Run, model_error: Callable[[float, int], float] | None = None) 
                 )
                 if comp is None:
                     continue
-                if model_error is not None:
-                    cell_error = model_error(load.value, comp.e2e_speedup.n)
-                    comp.e2e_speedup = comp.e2e_speedup.widened(cell_error)
+                judged = comp.e2e_speedup
+                if model_error is not None or measurement_noise is not None:
+                    noise = measurement_noise(load.value, comp.e2e_speedup.n) if measurement_noise else 0.0
+                    model = model_error(load.value, comp.e2e_speedup.n) if model_error else 0.0
+                    judged = comp.e2e_speedup.widened(noise)
+                    comp.e2e_speedup = comp.e2e_speedup.widened(math.hypot(model, noise))
                     if comp.decode_speedup is not None:
-                        comp.decode_speedup = comp.decode_speedup.widened(cell_error)
+                        comp.decode_speedup = comp.decode_speedup.widened(math.hypot(model, noise))
+                    comp.expected_e2e = judged
                 comp.background = behind(by.get((baseline, load.name, g), []) + by.get((s, load.name, g), []))
                 comp.busy = comp.background is not None and comp.background > run.busy_share
                 comparisons.append(comp)
-                e = comp.e2e_speedup
+                e = judged
                 cells_by_kind[load.kind].append(
                     Cell(
                         g,

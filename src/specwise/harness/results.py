@@ -125,6 +125,9 @@ class Comparison:
     evidence: str = ""  # what the losslessness audit compared: greedy or seeded tokens, or length distributions
     background: float | None = None  # the largest background share behind these pairs (either configuration)
     busy: bool = False  # … above the run's threshold: measured on a busy machine
+    # a predicted run only: the interval its evaluation is expected to report (timing noise, no model error),
+    # which the predicted verdict judges; e2e_speedup there is the prediction interval for the measured point
+    expected_e2e: Interval | None = None
 
 
 @dataclass
