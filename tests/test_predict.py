@@ -455,6 +455,20 @@ def test_a_batched_draft_models_catch_ups_cost_every_row_and_its_own_is_not_scal
     assert decode(model, 0.3) - decode(model) == pytest.approx(0.3)  # the others' catch-ups, whole
 
 
+def test_other_requests_prompt_chunks_are_read_from_the_baselines_own_gaps():
+    """At concurrency 4 a request's decode holds passes that also carry others' prompt chunks: what they added is the
+    excess of its long inter-token gaps over its ordinary step, not anyone's whole prefill time."""
+    from specwise.harness.predict import gap_interference
+    from specwise.harness.store import Record
+
+    gaps = [0.005] * 98 + [0.060, 0.045]  # 98 ordinary steps, two passes that took a prompt chunk along
+    rec = Record("baseline", "concurrent@4", "t", 0, ["g"], decode=sum(gaps), output_tokens=101, itl=gaps)
+    assert gap_interference(rec, 4) == pytest.approx(0.055 + 0.040)
+    assert gap_interference(rec, 1) == 0.0  # nothing else runs beside it
+    chunked = Record("baseline", "concurrent@4", "t", 0, ["g"], decode=0.6, output_tokens=101, itl=gaps[:30])
+    assert gap_interference(chunked, 4) is None  # gaps of streamed chunks, not of tokens: not read
+
+
 def test_the_runs_own_timing_noise_is_read_around_its_context_trend():
     """Seconds per token grow with context; what varies around that line at concurrency 1 is the machine's noise,
     recovered from the records (a 10% spread here, whatever the trend), and none is claimed from too few."""
