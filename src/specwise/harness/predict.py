@@ -291,11 +291,12 @@ def predicted_record(
     """The speculative record the cost model predicts for `base` (same output, predicted prefill and decode): each
     step costs the baseline's measured step less its share of other requests' prefill (`interference`: the seconds
     of it inside this request's decode, `gap_interference` or else `interference`, which a shorter decode still
-    holds — in a closed loop as many others start while it runs), plus what its pass's extra rows cost (`extra_pass_seconds`), plus drafting (`batched`: a draft
-    model, whose batch shares its passes; else each row drafts in turn), plus the step overhead of every row in the
-    batch on the steps that drafted. A draft model's catching up on a new prompt is a pass of its own that the whole
-    batch waits for: this request's own once (`replay.catch_up`, not scaled with the batch), and the other rows'
-    (`catch_ups`: their seconds inside this request's decode, as `interference` counts their prefills)."""
+    holds — in a closed loop as many others start while it runs), plus what its pass's extra rows cost
+    (`extra_pass_seconds`), plus drafting (`batched`: a draft model, whose batch shares its passes; else each row
+    drafts in turn), plus the step overhead of every row in the batch on the steps that drafted. A draft model's
+    catching up on a new prompt is a pass of its own that the whole batch waits for: this request's own once
+    (`replay.catch_up`, not scaled with the batch), and the other rows' (`catch_ups`: their seconds inside this
+    request's decode, as `interference` counts their prefills)."""
     costs, overhead, batched = model.costs, model.overhead, model.batched
     counts = replay.counts
     plain_steps = max(base.output_tokens - 1, 1)
