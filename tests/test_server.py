@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,22 +55,29 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_process(*args, timeout: float = 60.0):
-    """`specwise serve ARGS` on a free port in a process of its own, once it answers /v1/models; yields its URL."""
+    """`specwise serve ARGS` on a free port in a process of its own, once its /health answers (open whatever API key
+    the server asks for: /v1/models answers 401 to a keyless probe, which once made every keyed server's fixture
+    wait out the whole timeout); yields its URL. A server that exits or never answers fails the fixture."""
     port = free_port()
     cmd = [sys.executable, "-m", "specwise.cli", "serve", "--port", str(port), *map(str, args)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models").status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe nobody reads: a chatty server never blocks on it
+        proc = subprocess.Popen(cmd, stderr=err)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err.seek(0)
+                    why = "exited" if proc.poll() is not None else f"did not answer in {timeout:.0f} s"
+                    raise AssertionError(f"specwise serve {why}: {err.read().decode(errors='replace')[-3000:]}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 class Live:
