@@ -136,9 +136,7 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     # the verdict predicted is the evaluation's: judged on the interval it is expected to report (the timing noise
     # only — the model's error moves where the point lands, not how wide the evaluation's interval is); the
     # intervals shown carry the model's error too, as a prediction interval for the point it will measure
-    predicted.analysis = analyze(
-        predicted, model_error=lambda c, n: overhead.cell_error(c, n), measurement_noise=cell_noise
-    )
+    predicted.analysis = analyze(predicted, model_error=overhead.cell_error, measurement_noise=cell_noise)
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise)
 
 

@@ -168,11 +168,11 @@ def analyze(
                 if model_error is not None or measurement_noise is not None:
                     noise = measurement_noise(load.value, comp.e2e_speedup.n) if measurement_noise else 0.0
                     model = model_error(load.value, comp.e2e_speedup.n) if model_error else 0.0
-                    judged = comp.e2e_speedup.widened(noise)
-                    comp.e2e_speedup = comp.e2e_speedup.widened(math.hypot(model, noise))
+                    judged = comp.expected_e2e = comp.e2e_speedup.widened(noise)
+                    both = math.hypot(model, noise)
+                    comp.e2e_speedup = comp.e2e_speedup.widened(both)
                     if comp.decode_speedup is not None:
-                        comp.decode_speedup = comp.decode_speedup.widened(math.hypot(model, noise))
-                    comp.expected_e2e = judged
+                        comp.decode_speedup = comp.decode_speedup.widened(both)
                 comp.background = behind(by.get((baseline, load.name, g), []) + by.get((s, load.name, g), []))
                 comp.busy = comp.background is not None and comp.background > run.busy_share
                 comparisons.append(comp)

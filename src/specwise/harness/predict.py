@@ -376,11 +376,13 @@ def predicted_run(
     for rp in replays:
         caught.setdefault((base[rp.key].load, rp.k), []).append(rp.catch_up)
     model = TimeModel(costs, overhead or StepOverhead(), batched, draft_pass)
+    inside_of = {}  # per baseline request, once (every k replays it): others' prompt chunks inside its decode
+    for key, b in ((key, b) for key, b in base.items() if b.load in value):
+        read = gap_interference(b, value[b.load])
+        inside_of[key] = read if read is not None else interference(b.decode or 0.0, value[b.load], *means[b.load])
     for rp in replays:
         b = base[rp.key]
-        inside = gap_interference(b, value[b.load])
-        if inside is None:
-            inside = interference(b.decode or 0.0, value[b.load], *means[b.load])
+        inside = inside_of[rp.key]
         mates = caught[(b.load, rp.k)]  # (none but a draft model's catch up: 0 for the rest)
         others = interference(b.decode or 0.0, value[b.load], sum(mates) / len(mates), means[b.load][1])
         name = config_name(drafter, rp.k)
