@@ -161,7 +161,8 @@ def test_serve_runs_the_exported_per_load_k_table(tmp_path, tiny_dir):
         )
         r = httpx.post(
             url + "/v1/completions",
-            json={"model": "tiny", "prompt": "abc abc abc abc", "max_tokens": 24, "temperature": 0},
+            # 60 tokens of a 44-token vocabulary, EOS ignored: some token repeats, so the n-gram drafter proposes
+            json={"model": "tiny", "prompt": "abc abc abc abc", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
             timeout=60,
         ).json()
         spec = r["usage"]["speculative"]
