@@ -554,3 +554,22 @@ def test_a_kernels_step_runs_torch_at_one_thread_and_the_kernels_at_torchs_count
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_pass_costs_time_every_size_in_each_round_so_a_change_of_speed_is_not_read_as_a_size(tiny):
+    """The machine speeds up from 3x as slow to full speed while the costs are measured (a shared VM changes speed
+    over seconds): timed size by size, the small sizes, timed first, would look dearer than the large ones; timed in
+    rounds of every size, the order rotating, each size's median sees the same speeds, and the costs rise with rows."""
+    engine = Engine(tiny)
+    clock, calls = [0.0], []
+
+    def forward(tokens, positions, slots):
+        calls.append(len(tokens))
+        slow = 3.0 - 2.0 * len(calls) / 37  # 37 passes: a warm-up and 9 rounds of 4 sizes
+        clock[0] += slow * (1.0 + 0.5 * len(tokens))
+
+    engine._forward, engine._now = forward, lambda: clock[0]
+    costs = engine.pass_costs([4, 1, 2, 3], repeats=9)
+    assert calls[0] == 8 and sorted(calls[1:]) == sorted([1, 2, 3, 4] * 9)  # a warm-up, then 9 rounds of each
+    assert calls[1:5] == [1, 2, 3, 4] and calls[5:9] == [2, 3, 4, 1]  # each round starts one size further on
+    assert costs[1] < costs[2] < costs[3] < costs[4]

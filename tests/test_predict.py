@@ -145,7 +145,10 @@ def test_predict_from_a_run_sets_predicted_beside_measured_and_chooses_k_per_loa
     assert {c["load"] for c in cells} == {"concurrent@1", "concurrent@2"}
     # k=1 and k=4 were measured: set beside the prediction; k=2 and k=auto were not.
     assert all((c["measured_e2e_speedup"] is not None) == (c["k"] in (1, 4)) for c in cells)
-    assert all(c["mean_acceptance_length"] >= 1 for c in cells if c["k"] == "auto")
+    # Adaptive k drafts where the costs say it pays (alone, at least); a cell where it drafts nothing is plain decoding.
+    auto = [c for c in cells if c["k"] == "auto"]
+    assert all(c["mean_acceptance_length"] >= 1 for c in auto if c["load"] == "concurrent@1")
+    assert all(c["predicted_e2e_speedup"]["value"] == 1.0 for c in auto if c["mean_acceptance_length"] is None)
     assert {c["load"] for c in doc["k_choices"]} == {"concurrent@1", "concurrent@2"}
     # Replayed acceptance is the measured one: the run's own counts for k=1 and k=4, pooled per group and load.
     con = sqlite3.connect(baseline_run)

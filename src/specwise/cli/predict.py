@@ -615,7 +615,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     sizes = [s for s in COST_SIZES if s < top] + [top]
     lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
     context = 64 * (lengths[len(lengths) // 2] // 64)  # the median context, rounded down
-    path = _cache_file("", target.model.kernels, sha, context)
+    path = _cache_file("", target.model.kernels, sha, context, "rounds")  # "rounds": not a curve timed size by size
     if path.is_file():
         try:
             cached = PassCosts.read(path)
@@ -626,7 +626,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     print(f"measuring pass costs (sizes 1–{top}, context {context}) …", file=sys.stderr)
     engine = make_engine()
     watch = _Quiet()
-    seconds = engine.pass_costs(sizes, context=min(context, engine.cache_len - top))
+    seconds = engine.pass_costs(sizes, context=min(context, engine.cache_len - top), repeats=5, budget=3.0)
     costs = PassCosts(seconds, machine_id(), target.model.kernels, sha, hardware()["cpu_threads"])
     if watch.kept("the pass-cost measurement"):
         path.parent.mkdir(parents=True, exist_ok=True)

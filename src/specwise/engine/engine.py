@@ -779,28 +779,34 @@ class Engine:
             self.costs.observe_pass(T, seconds)
         return {T: self.costs.pass_cost(T) or 0.0 for T in sizes}  # every size was just measured
 
-    def pass_costs(self, sizes: list[int], context: int = 8, repeats: int = 3) -> dict[int, float]:
+    def pass_costs(self, sizes: list[int], context: int = 8, repeats: int = 3, budget: float = 0.0) -> dict[int, float]:
         """Median seconds of a target pass over T tokens for each T in `sizes`, its rows at positions `context` onward
         on the scratch slot, as a step runs them (what a verification pass of T rows costs: passes are unpadded, so
-        T rows of several sequences cost about what T rows of one do): for `calibrate` and `specwise predict`."""
+        T rows of several sequences cost about what T rows of one do): for `calibrate` and `specwise predict`.
+        Measured in rounds of every size, the order rotating each round, `repeats` rounds and more while the time
+        spent is under `budget` seconds (at most 8 × `repeats`): a shared 2-core VM changes speed over seconds, and
+        sizes timed one after another took the change as a difference between sizes (3 rows 8.2 ms, 4 rows 6.6)."""
         top = max(sizes, default=0)
         if not sizes or min(sizes) < 1 or context < 0 or context + top > self.cache_len:
             raise SpecwiseError(
                 f"pass sizes {sizes} at position {context} do not fit the cache of {self.cache_len} tokens "
                 "(sizes ≥ 1, position + size ≤ the cache)"
             )
-        out = {}
+        order = sorted(set(sizes))
+        times: dict[int, list[float]] = {T: [] for T in order}
         with self._kernels_step():
             scratch = self.max_batch
             self._forward([0] * 8, list(range(8)), [scratch] * 8)  # warm-up
-            for T in sorted(set(sizes)):
-                times = []
-                for _ in range(repeats):
+            start = self._now()
+            rounds = 0
+            while rounds < repeats or (self._now() - start < budget and rounds < 8 * repeats):
+                shift = rounds % len(order)
+                for T in order[shift:] + order[:shift]:
                     t0 = self._now()
                     self._forward([0] * T, list(range(context, context + T)), [scratch] * T)
-                    times.append(self._now() - t0)
-                out[T] = float(np.median(times))
-        return out
+                    times[T].append(self._now() - t0)
+                rounds += 1
+        return {T: float(np.median(ts)) for T, ts in times.items()}
 
     def _now(self) -> float:
         if self.device.type == "cuda":
