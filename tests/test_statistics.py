@@ -258,3 +258,41 @@ def test_burstier_streams_are_told_only_when_the_stall_is_long_enough_to_see():
     assert len(told) == 1 and told[0].neutral and "0.20 s at the median" in told[0].text
     assert not [c for v in (decide([hiccup]), decide([unsure])) for c in v.clauses if "burstier" in c.text]
     assert decide([pause]).decision == decide([base]).decision  # told, not judged
+
+
+class Recorder(TwoSystems):
+    """A backend that answers every request at once and records the order in which configurations met each task."""
+
+    def __init__(self):
+        super().__init__()
+        self.phases = []
+
+    def facts(self, config):
+        return {"target": {"name": "m", "sha256": "a"}, "hardware": {}}
+
+    def run(self, work):
+        from specwise.harness.backends import Phase
+        from specwise.harness.store import Record
+
+        self.phases.append((work.config, [r.task_id for r in work.requests]))
+        for r in work.requests:
+            work.on_record(Record(work.config, work.load.name, r.task_id, r.repeat, r.groups, output="x", e2e=1.0))
+        return Phase(0.0)
+
+
+def test_every_task_meets_the_configurations_in_both_orders_across_repeats(tmp_path):
+    """Chunks alternate the configurations' order (ABBA), so that a drift within a chunk does not favour one; with an
+    even number of chunks a repeat ends on the order it began with, and the next repeat turns it: a task that met
+    the baseline first meets it last in the next repeat."""
+    from specwise.harness.config import Config
+    from specwise.harness.load import Load
+    from specwise.harness.runner import Plan, run
+    from specwise.harness.store import Store
+    from specwise.harness.workload import Task, Workload
+
+    tasks = [Task(f"t{i}", ("g",), 8, "hi") for i in range(4)]
+    plan = Plan(Workload("w", tasks), [Config("baseline"), Config("spec", "ngram")], [Load("concurrent", 1)], repeats=2)
+    backend = Recorder()
+    run(plan, Store(tmp_path / "run.db"), backend, show_progress=False, chunk=2)  # two chunks a repeat
+    firsts = [backend.phases[i][0] for i in range(0, len(backend.phases), 2)]  # who went first in each chunk
+    assert firsts == ["baseline", "spec", "spec", "baseline"]  # t0-t1, t2-t3; then t0-t1, t2-t3 the other way

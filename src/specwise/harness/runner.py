@@ -188,7 +188,13 @@ def run(plan: Plan, store: Store, backend: Backend, options: RunOptions | None =
             size = len(plan.workload.tasks)  # each configuration switch restarts a server: switch per phase only
         for rep in range(plan.repeats):
             ordered = plan.workload.tasks
-            for start in range(0, len(ordered), size):
+            starts = range(0, len(ordered), size)
+            if rep and len(starts) % 2 == 0:
+                # An even number of chunks ends a repeat on the order it began with: without this turn every task
+                # would meet the configurations in the same order in every repeat (a drift within each chunk then
+                # biases the same tasks the same way, repeat after repeat). Now each task takes both orders in turn.
+                flip = not flip
+            for start in starts:
                 part = ordered[start : start + size]
                 configs = plan.configs[::-1] if flip else plan.configs
                 flip = not flip
