@@ -30,6 +30,12 @@ def outcome(lo: float, hi: float) -> str:
     return "wins" if lo > 1 else "loses" if hi < 1 else "unclear"
 
 
+def cells_of(out: Path, cells: dict[tuple[str, str, str], list[tuple[float, float, float]]]) -> None:
+    for c in load_run(out / "run.db").analysis.comparisons:
+        iv = c.e2e_speedup
+        cells.setdefault((c.config, c.load, c.group), []).append((iv.value, iv.lo, iv.hi))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=6)
@@ -39,7 +45,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--repeats", default="2")
     ap.add_argument("--max-tokens", default="64")
-    ap.add_argument("--keep", metavar="DIR", help="keep each run's directory in DIR")
+    ap.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep each run's directory in DIR, and analyse again those already there (to iterate on the analysis "
+        "against fixed measurements)",
+    )
     args = ap.parse_args()
     if args.runs < 2:
         raise SystemExit("--runs must be at least 2: one run cannot disagree with itself")
@@ -48,6 +59,9 @@ def main() -> int:
         for i in range(args.runs):
             out = Path(args.keep or tmp) / f"run{i}"
             t0 = time.perf_counter()
+            if args.keep and (out / "run.db").is_file():  # kept from an earlier call: analysed again, not re-run
+                cells_of(out, cells)
+                continue
             argv = [
                 sys.executable, "-m", "specwise.cli", "evaluate", "--workload", args.workload,
                 "--drafter", args.drafter, "--k", args.k, "--concurrency", args.concurrency, "--repeats", args.repeats,
@@ -56,9 +70,7 @@ def main() -> int:
             proc = subprocess.run(argv, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"evaluate failed:\n{proc.stderr[-3000:]}")
-            for c in load_run(out / "run.db").analysis.comparisons:
-                iv = c.e2e_speedup
-                cells.setdefault((c.config, c.load, c.group), []).append((iv.value, iv.lo, iv.hi))
+            cells_of(out, cells)
             print(f"run {i + 1}/{args.runs}: {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n{'configuration':>14} {'load':>14} {'group':>11}  runs: E2E speedup [95% CI]")
     ratios = []

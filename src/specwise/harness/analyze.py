@@ -322,10 +322,11 @@ def _compare(cell: CellRecords, greedy: bool) -> Comparison | None:
     ]
     if not pairs:
         return None
-    e2e = speedup_ci([b.e2e or math.nan for b, _ in pairs], [x.e2e or math.nan for _, x in pairs])
+    tasks = [b.task_id for b, _ in pairs]  # a task's repeats are resampled together
+    e2e = speedup_ci([b.e2e or math.nan for b, _ in pairs], [x.e2e or math.nan for _, x in pairs], tasks=tasks)
     if e2e is None:
         return None
-    dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs])
+    dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs], tasks=tasks)
     same, vs_ref, both, changed = [], [], [], 0
     exact = greedy or (coupled(base_recs) and coupled(spec_recs) and coupled(ref_recs or base_recs))
     evidence = GREEDY_EVIDENCE if greedy else COUPLED_EVIDENCE if exact else DISTRIBUTION_EVIDENCE
@@ -344,9 +345,15 @@ def _compare(cell: CellRecords, greedy: bool) -> Comparison | None:
             changed += len(_repeat_changes(_outputs(base_recs))[1])
     # Sampled outputs without coupled verification cannot match token for token: compare distributions instead.
     lengths = None if exact else ks_two_sample([b.output_tokens for b, _ in pairs], [x.output_tokens for _, x in pairs])
-    stalls = [(b, x) for b, x in ((_stream(b), _stream(x)) for b, x in pairs) if b and x and b[2] and x[2]]
+    stalls = [
+        (b, x, t) for b, x, t in ((_stream(b), _stream(x), b.task_id) for b, x in pairs) if b and x and b[2] and x[2]
+    ]
     stall_ratio = (
-        speedup_ci([float(x[2] or 0) for _, x in stalls], [float(b[2] or 0) for b, _ in stalls])
+        speedup_ci(
+            [float(x[2] or 0) for _, x, _ in stalls],
+            [float(b[2] or 0) for b, _, _ in stalls],
+            tasks=[t for *_, t in stalls],
+        )
         if len(stalls) >= 2
         else None
     )
