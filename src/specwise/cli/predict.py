@@ -11,6 +11,7 @@ prediction on the same workload and settings reads that run instead of measuring
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -320,6 +321,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     from specwise.engine import Engine, SamplingParams, load_target
     from specwise.engine.draft_length import CostModel, next_prior
     from specwise.engine.drafters import ModelDrafter, make_drafter
+    from specwise.engine.kernels import serial_torch
+    from specwise.engine.native import NativeDecoder
     from specwise.engine.replay import (
         AdaptiveRule,
         DraftPassCost,
@@ -411,16 +414,23 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
 
     # serially in a step): built only if the costs are measured
     costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
+    # The drafting was timed just now, the pass costs (and the step-overhead probe) perhaps an hour ago: a shared VM
+    # changes speed in between (passes of 1/4/6 rows: 4.3/6.4/8.3 ms cached, 3.6/4.8/5.8 ms an hour later). One
+    # plain pass timed now puts the drafting into the costs' state of the machine.
+    native = isinstance(engine.model, NativeDecoder)  # timed as the costs were: a drafting engine's step
+    with serial_torch() if native else contextlib.nullcontext():
+        live = engine.pass_costs([1], context=min(_median_context(records), engine.cache_len - 1), repeats=9)[1]
+    scale = costs.at(1) / live if live > 0 else 1.0
     if "auto" in ks:
         # k=auto as the engine would choose it on these costs, each request at its load, the acceptance prior
         # carried from request to request in the order they finished (Engine._retire)
         model = CostModel()  # drafting costs learned step by step as the engine's are (replay_guesses)
         model.passes = dict(costs.seconds)
-        model.draft_per_token = {name: per_token}
+        model.draft_per_token = {name: per_token * scale}
         if guessing:
-            model.draft_per_pass = {name: pass_cost.one}
+            model.draft_per_pass = {name: pass_cost.one * scale}
         if guessing:  # a draft model catches up at its prompt pass's rate (a model-free drafter has no cache)
-            fed = sum(g.prompt_seconds for g in guesses_of.values())
+            fed = sum(g.prompt_seconds for g in guesses_of.values()) * scale
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
         for r in ordered:
@@ -439,7 +449,21 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))
     overhead = _overhead(spec, target, engine, probes, costs, batch)
-    return replays, costs, overhead, name, batched, (pass_cost.one, pass_cost.per_row)
+    replays = [
+        dataclasses.replace(
+            r,
+            counts=dataclasses.replace(r.counts, drafting_time=r.counts.drafting_time * scale),
+            catch_up=r.catch_up * scale,
+        )
+        for r in replays
+    ]
+    return replays, costs, overhead, name, batched, (pass_cost.one * scale, pass_cost.per_row * scale)
+
+
+def _median_context(records) -> int:
+    """The context the pass costs are timed at: the records' median (prompt + half the output), rounded down to 64."""
+    lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
+    return 64 * (lengths[len(lengths) // 2] // 64)
 
 
 def _cache_file(kind: str, *key: object) -> Path:
@@ -613,8 +637,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     longest = max([k for k in ks if isinstance(k, int)] + [DEFAULT_K_MAX if "auto" in ks else 0, PROBE_KS[-1]])
     top = int(concurrency) * (longest + 1)  # measured once for every k up to 8 at least
     sizes = [s for s in COST_SIZES if s < top] + [top]
-    lengths = sorted(r.prompt_tokens + r.output_tokens // 2 for r in records)
-    context = 64 * (lengths[len(lengths) // 2] // 64)  # the median context, rounded down
+    context = _median_context(records)
     path = _cache_file("", target.model.kernels, sha, context, "rounds")  # "rounds": not a curve timed size by size
     if path.is_file():
         try:
