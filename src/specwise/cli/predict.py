@@ -413,14 +413,16 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
 
     # serially in a step): built only if the costs are measured
-    costs = _costs(setup.costs, measured, drafting_engine, target, records, ks)
-    # The drafting was timed just now, the pass costs (and the step-overhead probe) perhaps an hour ago: a shared VM
+    costs, fresh = _costs(setup.costs, measured, drafting_engine, target, records, ks)
+    # The drafting was timed just now, a cached curve (and the step-overhead probe) perhaps an hour ago: a shared VM
     # changes speed in between (passes of 1/4/6 rows: 4.3/6.4/8.3 ms cached, 3.6/4.8/5.8 ms an hour later). One
-    # plain pass timed now puts the drafting into the costs' state of the machine.
-    native = isinstance(engine.model, NativeDecoder)  # timed as the costs were: a drafting engine's step
-    with serial_torch() if native else contextlib.nullcontext():
-        live = engine.pass_costs([1], context=min(_median_context(records), engine.cache_len - 1), repeats=9)[1]
-    scale = costs.at(1) / live if live > 0 else 1.0
+    # plain pass timed now puts the drafting into the curve's state of the machine (a curve measured now is in it).
+    scale = 1.0
+    if not fresh:
+        native = isinstance(engine.model, NativeDecoder)  # timed as the costs were: a drafting engine's step
+        with serial_torch() if native else contextlib.nullcontext():
+            live = engine.pass_costs([1], context=min(_median_context(records), engine.cache_len - 1), repeats=9)[1]
+        scale = costs.at(1) / live if live > 0 else 1.0
     if "auto" in ks:
         # k=auto as the engine would choose it on these costs, each request at its load, the acceptance prior
         # carried from request to request in the order they finished (Engine._retire)
@@ -613,7 +615,8 @@ class _Quiet:
 
 def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     """The pass-cost curve: --costs FILE, else this machine's cached one, else measured now on `make_engine()` (and
-    cached). A curve from another CPU or kernel variant than the run's is refused unless given with --costs."""
+    cached), and whether it was measured now. A curve from another CPU or kernel variant than the run's is refused
+    unless given with --costs."""
     from specwise.harness.facts import hardware
     from specwise.harness.predict import PassCosts, machine_id
 
@@ -624,7 +627,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
             raise SpecwiseError(
                 f"--costs {cost_file} was measured on target {costs.target_sha256[:12]}…, the run's is {sha[:12]}…"
             )
-        return costs
+        return costs, False
     hw = measured.provenance.hardware
     here = hardware()["cpu"]
     if (hw.cpu and hw.cpu != here) or (hw.kernels and hw.kernels != target.model.kernels):
@@ -643,7 +646,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
         try:
             cached = PassCosts.read(path)
             if max(cached.seconds) >= top:
-                return cached
+                return cached, False
         except SpecwiseError:
             pass  # a damaged cache file is measured again
     print(f"measuring pass costs (sizes 1–{top}, context {context}) …", file=sys.stderr)
@@ -654,7 +657,7 @@ def _costs(cost_file: str | None, measured, make_engine, target, records, ks):
     if watch.kept("the pass-cost measurement"):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, json.dumps(costs.to_json(), indent=2) + "\n")
-    return costs
+    return costs, True
 
 
 def _summary(measured, predicted, drafter: str, spec: str, costs, open_steps: int, error: str) -> tuple[str, dict]:
