@@ -137,7 +137,14 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     # the verdict predicted is the evaluation's: judged on the interval it is expected to report (the timing noise
     # only — the model's error moves where the point lands, not how wide the evaluation's interval is); the
     # intervals shown carry the model's error too, as a prediction interval for the point it will measure
-    predicted.analysis = analyze(predicted, model_error=overhead.cell_error, measurement_noise=cell_noise)
+    # the phases' shared shifts measured in the baseline run (its repeats) stand for the evaluation's: a predicted
+    # configuration's records have no phases of their own
+    predicted.analysis = analyze(
+        predicted,
+        model_error=overhead.cell_error,
+        measurement_noise=cell_noise,
+        phase_shifts=measured.analysed.phase_noise,
+    )
     return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise)
 
 

@@ -10,7 +10,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,15 @@ from specwise.harness.results import (
     StreamStats,
     read_run,
 )
-from specwise.harness.statistics import ks_two_sample, speedup_ci, summarize
+from specwise.harness.statistics import (
+    Interval,
+    PhaseNoise,
+    clustered_share,
+    ks_two_sample,
+    phase_noise,
+    speedup_ci,
+    summarize,
+)
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Cell, Verdict, decide, load_name, policy_from_verdict
 from specwise.speccounts import SpecCounts
@@ -106,12 +114,14 @@ def analyze(
     run: Run,
     model_error: Callable[[float, int], float] | None = None,
     measurement_noise: Callable[[float, int], float] | None = None,
+    phase_shifts: Mapping[str, PhaseNoise] | None = None,
 ) -> Analysis:
     """Every table the report shows, and a verdict per speculative configuration. For a predicted run, per cell (its
     load's value, its n requests): `measurement_noise`, the relative timing noise an evaluation's own interval would
     carry — the verdict judges the interval the evaluation is expected to report, widened by it — and
     `model_error`, the time model's relative error, which the shown speedup intervals carry beside that noise:
-    a prediction interval for the point the evaluation will measure."""
+    a prediction interval for the point the evaluation will measure. `phase_shifts`: each load's phase noise where
+    the run cannot measure its own (a predicted run: its baseline's), else measured from the run's repeated phases."""
     plan = run.plan
     configs = [c.name for c in plan.configs]
     baseline, specs = configs[0], configs[1:]
@@ -138,6 +148,8 @@ def analyze(
         else []
     )
     backgrounds = per_record(run.backgrounds)
+    units = phase_units(run)
+    shifts = dict(phase_shifts) if phase_shifts is not None else measured_phase_noise(run, units)
 
     def behind(records: list[Record]) -> float | None:
         """The largest background share of the cores over the phases that measured `records`, where recorded."""
@@ -159,6 +171,8 @@ def analyze(
                         by.get((s, load.name, g), []),
                         ref,
                         by.get((baseline, ref, g), []) if ref else [],
+                        units,
+                        shifts.get(load.name, PhaseNoise()),
                     ),
                     greedy,
                 )
@@ -211,6 +225,7 @@ def analyze(
         greedy,
         determinism,
         *k_sweep(plan, comparisons),
+        phase_noise={ld.name: shifts.get(ld.name, PhaseNoise()) for ld in plan.loads},
     )
 
 
@@ -301,7 +316,8 @@ def baseline_determinism(
 @dataclass(frozen=True)
 class CellRecords:
     """One cell's records: the baseline's and a configuration's at a load in a group, and the baseline's at the
-    reference load (the fair audit's other side)."""
+    reference load (the fair audit's other side); each record's phase and the load's phase noise, which widen the
+    speedup intervals (none recorded: the task bootstrap alone)."""
 
     config: str
     load: str
@@ -310,6 +326,52 @@ class CellRecords:
     spec: list[Record]
     ref: str | None = None
     ref_recs: list[Record] = field(default_factory=list)
+    units: Mapping[tuple[str, str, str, int], Hashable] = field(default_factory=dict)
+    phase: PhaseNoise = field(default_factory=PhaseNoise)
+
+
+Unit = tuple[str, int, tuple[str, ...]]
+
+
+def phase_units(run: Run) -> dict[tuple[str, str, str, int], Unit]:
+    """Each record's phase as (load, repeat, the phase's tasks): the same for every configuration's phase of one
+    chunk, so a configuration without phases of its own (a predicted one) takes the baseline's."""
+    units = {key: (p.load, p.repeat, tuple(p.tasks)) for p in run.backgrounds for key in p.record_keys()}
+    if not run.plan.configs:
+        return units
+    base = run.plan.configs[0].name
+    for r in run.records:
+        if r.key not in units and (base, r.load, r.task_id, r.repeat) in units:
+            units[r.key] = units[(base, r.load, r.task_id, r.repeat)]
+    return units
+
+
+def measured_phase_noise(run: Run, units: Mapping[tuple[str, str, str, int], Unit]) -> dict[str, PhaseNoise]:
+    """Per load, how far a phase pair (a configuration's phase and the baseline's of the same chunk, run one after
+    the other) shifts its tasks' paired log speedups together (`statistics.phase_noise`), pooled over the
+    configurations: a chunk repeated shows it; a run of one repeat cannot (df 0). Drift that slows both phases of a
+    pair alike (a VM that speeds up between repeats) moves no speedup and is not counted."""
+    baseline = run.plan.configs[0].name if run.plan.configs else None
+    base = {r.key: r for r in run.records if r.config == baseline and r.error is None and r.e2e}
+    phases: dict[str, dict[Hashable, dict[int, dict[Hashable, float]]]] = defaultdict(lambda: defaultdict(dict))
+    for r in run.records:
+        b = base.get((baseline, r.load, r.task_id, r.repeat)) if r.config != baseline else None
+        unit = units.get(r.key)
+        if b is None or unit is None or r.error is not None or not r.e2e or not b.e2e:
+            continue
+        load, repeat, tasks = unit
+        phases[load][(r.config, tasks)].setdefault(repeat, {})[r.task_id] = math.log(b.e2e / r.e2e)
+    return {load: phase_noise(by_phase) for load, by_phase in phases.items()}
+
+
+def _phase_widened(iv: Interval, pairs: list, cell: CellRecords, time: Callable[[Record], float | None]) -> Interval:
+    """`iv` widened by what the phase pairs' shared shifts add to its estimate beyond the task bootstrap's share
+    (a pair's weight in the ratio of sums is its baseline time's); unchanged where no noise was measured."""
+    if cell.phase.variance <= 0:
+        return iv
+    kept = [b for b, x in pairs if time(b) and time(x)]
+    share = clustered_share([time(b) or 0.0 for b in kept], [cell.units.get(b.key, b.key) for b in kept])
+    return iv.widened(math.sqrt(cell.phase.variance * share))
 
 
 def _compare(cell: CellRecords, greedy: bool) -> Comparison | None:
@@ -327,6 +389,10 @@ def _compare(cell: CellRecords, greedy: bool) -> Comparison | None:
     if e2e is None:
         return None
     dec = speedup_ci([b.decode or math.nan for b, _ in pairs], [x.decode or math.nan for _, x in pairs], tasks=tasks)
+    # a phase's requests move together: the intervals carry that beyond the tasks' own spread (the E2E estimate's
+    # phase noise stands for the decode's too — one phase, one state of the machine)
+    e2e = _phase_widened(e2e, pairs, cell, lambda r: r.e2e)
+    dec = _phase_widened(dec, pairs, cell, lambda r: r.decode) if dec is not None else None
     same, vs_ref, both, changed = [], [], [], 0
     exact = greedy or (coupled(base_recs) and coupled(spec_recs) and coupled(ref_recs or base_recs))
     evidence = GREEDY_EVIDENCE if greedy else COUPLED_EVIDENCE if exact else DISTRIBUTION_EVIDENCE

@@ -394,7 +394,9 @@ def predicted_run(
         records=records,
         phase_seconds={},
         server_counters={},
-        backgrounds=[],
+        # the baseline's phases stay (what ran behind them, which tasks ran together: the predicted records take
+        # their baseline's phase, so the intervals carry the phases' shared shifts as the evaluation's will)
+        backgrounds=[p for p in run.backgrounds if p.config == run.plan.baseline.name and p.load in value],
         stored_verdicts={},
         analysis=None,
     )

@@ -78,6 +78,22 @@ def background_line(run: Run) -> str:
     )
 
 
+def phase_line(a: Analysis) -> str:
+    """What the speedup intervals carry beside the tasks' spread: each load's phase noise (how far a chunk's phase
+    pair shifts its speedups together), or why it was not measured (empty for a run without comparisons)."""
+    if not a.comparisons or not a.phase_noise:
+        return ""
+    measured = {load: p for load, p in a.phase_noise.items() if p.df > 0}
+    if not measured:
+        return (
+            "intervals: tasks resampled; how far a phase shifts all its requests together is not measured with one "
+            "repeat (--repeats 2 measures it into the intervals; on a busy or noisy machine it can make them "
+            "several times wider than shown)"
+        )
+    parts = ", ".join(f"{load} ±{p.sd:.0%} ({p.df} df)" for load, p in measured.items())
+    return f"intervals: tasks resampled, plus the shift a chunk's phase pair gives all its speedups (sd): {parts}"
+
+
 def _bg(share: float | None, busy: bool) -> str:
     return "-" if share is None else f"{share:.0%}{'*' if busy else ''}"
 
@@ -144,6 +160,8 @@ def console_summary(run: Run) -> str:
     evidence = sorted({c.evidence for c in a.comparisons if c.evidence})
     if evidence:
         lines.append(f"losslessness audit compared: {'; '.join(evidence)}")
+    if phases := phase_line(a):
+        lines.append(phases)
     lines += _predicted_lines(run)
     lines += _best_k_lines(a)
     findings = [d.text() for d in a.determinism if d.load != d.reference or d.repeat_pairs]
@@ -298,6 +316,8 @@ def html_report(run: Run) -> str:
     )
     if evidence:
         determinism = f"<p class=evidence>Losslessness audit compared: {escape('; '.join(evidence))}</p>" + determinism
+    if phases := phase_line(a):
+        determinism = f"<p class=intervals>{escape(phases[0].upper() + phases[1:])}</p>" + determinism
     best_k = ""
     if a.best_k:
         rows_k = "".join(

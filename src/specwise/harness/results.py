@@ -17,7 +17,7 @@ from specwise.harness.config import Config
 from specwise.harness.load import Load, parse_load
 from specwise.harness.provenance import Provenance
 from specwise.harness.server_reports import CounterDelta
-from specwise.harness.statistics import Interval, Summary
+from specwise.harness.statistics import Interval, PhaseNoise, Summary
 from specwise.harness.store import Record, Store
 from specwise.harness.verdict import Verdict
 from specwise.specs import BUSY_SHARE
@@ -210,6 +210,9 @@ class Analysis:
     determinism: list[Determinism] = field(default_factory=list)  # greedy runs: the baseline against itself
     best_k: list[BestK] = field(default_factory=list)  # with a k sweep (--k 1,2,4,8): per drafter, load, group
     k_choices: list[KChoice] = field(default_factory=list)  # … and per drafter and closed-loop load
+    # per load: how far one phase shifts its requests together (measured from repeats; df 0: not measured), which
+    # the speedup intervals carry beside the tasks' spread
+    phase_noise: dict[str, PhaseNoise] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

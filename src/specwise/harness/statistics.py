@@ -4,12 +4,17 @@ A speedup is baseline time over speculative time (> 1 means faster). Baseline an
 are paired, so the bootstrap resamples tasks, keeping each task's pairs (one per repeat) together; the statistic is
 the ratio of the mean times (total baseline time over total speculative time), which weighs long requests as users
 feel them.
+
+Requests measured in one phase (a chunk of tasks run together for one configuration) share whatever the machine did
+during it and, above concurrency 1, their batches: their errors move together, which resampling tasks does not see.
+`phase_noise` measures that shared shift from repeats of the same phase, and `clustered_share` says how much of it a
+cell's estimate carries; the intervals are widened by it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +120,58 @@ def speedup_ci(
     alpha = (1 - confidence) / 2
     lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
     return Interval(value, float(lo), float(hi), int(ok.sum()))
+
+
+@dataclass(frozen=True)
+class PhaseNoise:
+    """How far one phase shifts its requests' log times together, beyond each request's own noise: a variance (log
+    terms) and the degrees of freedom it was estimated from (0: not measured — one repeat cannot show it)."""
+
+    variance: float = 0.0
+    df: int = 0
+
+    @property
+    def sd(self) -> float:
+        return math.sqrt(self.variance)
+
+
+def phase_noise(phases: Mapping[Hashable, Mapping[int, Mapping[Hashable, float]]]) -> PhaseNoise:
+    """The variance of a phase's shared shift, from phases repeated on the same tasks: `phases` maps a phase (the same
+    tasks run together, once per repeat) → repeat → task → log time. Per phase, each task's mean over the repeats is
+    taken out (the task's own speed); what is left, averaged over the phase's tasks, varies from repeat to repeat by
+    the phase's shift plus the tasks' own noise over their number, and the latter is estimated from the spread of the
+    tasks within the phase and taken back out (a one-way random-effects estimate). Pooled over phases by their
+    degrees of freedom (repeats − 1 each); never below 0. Only tasks measured in every repeat of their phase count."""
+    total, df = 0.0, 0
+    for by_repeat in phases.values():
+        repeats = sorted(by_repeat)
+        common = set.intersection(*(set(by_repeat[r]) for r in repeats)) if repeats else set()
+        n, R = len(common), len(repeats)
+        if R < 2 or n < 2:
+            continue
+        tasks = sorted(common, key=repr)
+        y = np.array([[by_repeat[r][t] for t in tasks] for r in repeats])  # (R, n)
+        z = y - y.mean(axis=0)  # each task's own speed taken out
+        shifts = z.mean(axis=1)  # (R,): the phase's shift per repeat, plus noise
+        within = ((z - shifts[:, None]) ** 2).sum() / ((n - 1) * (R - 1))  # a request's own noise, variance
+        total += (shifts**2).sum() - (R - 1) * within / n
+        df += R - 1
+    return PhaseNoise(max(0.0, float(total) / df), df) if df else PhaseNoise()
+
+
+def clustered_share(weights: Sequence[float], units: Sequence[Hashable]) -> float:
+    """For a weighted mean of log times whose members share a shift per unit (a phase): the variance that shift adds,
+    per unit of its variance, beyond what each member contributes on its own (which a bootstrap over the members
+    already sees) — Σ over units of (the unit's weight² − its members' squared weights), weights normalised."""
+    w = np.asarray(weights, dtype=float)
+    if len(w) != len(units):
+        raise ValueError("every weight needs its unit")
+    if len(w) == 0 or not np.isfinite(w).all() or w.sum() <= 0:
+        return 0.0
+    w = w / w.sum()
+    at = {u: i for i, u in enumerate(dict.fromkeys(units))}
+    per_unit = np.bincount([at[u] for u in units], weights=w, minlength=len(at))
+    return float((per_unit**2).sum() - (w**2).sum())
 
 
 def ks_two_sample(a: Sequence[float], b: Sequence[float]) -> dict | None:
