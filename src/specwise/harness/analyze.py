@@ -351,7 +351,9 @@ def measured_phase_noise(run: Run, units: Mapping[tuple[str, str, str, int], Uni
     the other) shifts its tasks' paired log speedups together (`statistics.phase_noise`), pooled over the
     configurations: a chunk repeated shows it; a run of one repeat cannot (df 0). Drift that slows both phases of a
     pair alike (a VM that speeds up between repeats) moves no speedup and is not counted."""
-    baseline = run.plan.configs[0].name if run.plan.configs else None
+    if not run.plan.configs:
+        return {}
+    baseline = run.plan.configs[0].name
     base = {r.key: r for r in run.records if r.config == baseline and r.error is None and r.e2e}
     phases: dict[str, dict[Hashable, dict[int, dict[Hashable, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in run.records:
