@@ -17,7 +17,7 @@ n ≥ 4 it prints, for every k and for the fixed ks and k=auto apart:
   workload: the targets are the built-in's, the unseen workload's are printed beside them.
 
     python benchmarks/predict.py [--drafters ngram,suffix,layerskip:20] [--ks 1,4,auto] [--tasks 24] [--max-tokens 64]
-                                 [--keep DIR]
+                                 [--repeats 2] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _evaluate(workload: str, drafter: str, label: str, args: argparse.Namespace,
     t_eval, _ = specwise(
         "evaluate", "--workload", workload, "--drafter", drafter, "--k", args.ks, "--tasks", str(args.tasks),
         "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency, "--out", str(out),
-        "--no-progress", "--repeats", "2" if "edits" in label else "1",
+        "--no-progress", "--repeats", str(args.repeats),
     )  # fmt: skip
     return t_eval
 
@@ -64,6 +64,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ks", default="1,4,auto", help="the draft lengths evaluated and predicted")
     ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="repeats per evaluation (2: the evaluation measures how far a phase shifts its requests together and "
+        "its intervals carry it; predict reads that from the run it predicts)",
+    )
     ap.add_argument(
         "--keep",
         metavar="DIR",
