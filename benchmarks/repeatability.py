@@ -3,7 +3,8 @@
 (standard deviation of log speedups) against the spread the intervals claim (their median half-width in log terms ÷
 1.96), how many pairs of runs have disjoint intervals, and the outcome classes (wins: lower bound > 1, loses: upper
 bound < 1, else unclear). A ratio near 1 means the intervals are honest on this machine; well above 1, a cell's class
-can change from one identical run to the next (docs/harness.md, "a known limit").
+can change from one identical run to the next. With two or more repeats the intervals carry how far a phase shifts
+its requests together (docs/harness.md, "Phases in the intervals"), and the ratio should sit near 1.
 
     python benchmarks/repeatability.py [--runs 6] [--workload benchmarks/data/edits.yaml] [--drafter ngram]
                                        [--k auto] [--concurrency 1,4] [--repeats 2] [--max-tokens 64] [--keep DIR]
