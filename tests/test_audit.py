@@ -30,6 +30,8 @@ def evaluate(tmp_path: Path, spec_flags: str, name: str):
     out = tmp_path / name
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",
@@ -99,6 +101,8 @@ def test_named_launches_and_a_second_server_on_another_target_is_refused(tmp_pat
     fake = f"{sys.executable} {FAKE} --port {port}"
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",
@@ -149,6 +153,8 @@ def test_a_launched_server_that_never_becomes_healthy_is_stopped_with_its_log_ta
     start = time.monotonic()
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",
@@ -180,6 +186,8 @@ def test_streaming_as_a_reader_sees_it_from_a_known_schedule(tmp_path):
     out = tmp_path / "stream"
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",

@@ -263,7 +263,7 @@ def test_quiet_machine_fail_refuses_a_busy_machine_with_exit_2(tiny_dir, tmp_pat
     ],
 )
 def test_background_flags_are_checked_before_anything_runs(flags, message, tmp_path):
-    proc = cli("evaluate", "--out", tmp_path / "o", *flags, check=False)
+    proc = cli("evaluate", "--repeats", "1", "--out", tmp_path / "o", *flags, check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "o" / "run.db").exists()
 

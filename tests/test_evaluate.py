@@ -125,6 +125,8 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
         "-m",
         "specwise.cli",
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         str(long_ctx_model),
         "--tasks",
@@ -157,6 +159,8 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
     assert 4 <= len(before) < 80
     again = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         long_ctx_model,
         "--tasks",
@@ -173,6 +177,8 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
     assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix into an existing run
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         long_ctx_model,
         "--tasks",
@@ -191,6 +197,8 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
     assert before <= set(rows)
     differs = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         long_ctx_model,
         "--tasks",
@@ -275,6 +283,22 @@ def test_report_of_a_missing_file():
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
+def test_an_evaluation_repeats_twice_by_default_so_its_intervals_carry_the_phases(long_ctx_model, tmp_path):
+    """By default every task runs twice per configuration and load: the second repeat measures how far a phase
+    shifts its requests together, which the intervals then carry and the report says so; with one repeat (asked for,
+    or --quick) the report says the intervals do not."""
+    args = ("--model", long_ctx_model, "--tasks", 4, "--concurrency", 1, "--max-tokens", 16, "--no-progress")
+    proc = cli("evaluate", *args, "--out", tmp_path / "two")
+    run = load_run(tmp_path / "two" / "run.db")
+    assert run.plan.repeats == 2 and len(run.records) == 4 * 2 * 2
+    noise = run.analysed.phase_noise["concurrent@1"]
+    assert noise.df >= 1  # chunks repeated: measured (a value of 0 is a measurement too)
+    assert "intervals: tasks resampled, plus the shift a chunk's phase pair gives all its speedups" in proc.stdout
+    once = cli("evaluate", *args, "--repeats", 1, "--out", tmp_path / "one")
+    assert load_run(tmp_path / "one" / "run.db").analysed.phase_noise["concurrent@1"].df == 0
+    assert "not measured with one repeat (--repeats 2 measures it" in once.stdout
+
+
 @pytest.mark.embedded
 def test_evaluate_quick_on_the_embedded_model(tmp_path):
     proc = cli("evaluate", "--quick", "--out", tmp_path, "--no-progress", timeout=900)
@@ -295,6 +319,8 @@ def test_open_loop_poisson_and_sampled_run(long_ctx_model, tmp_path, verify):
 
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         long_ctx_model,
         "--tasks",
@@ -362,6 +388,8 @@ def run_configs(model, tmp_path, configs: str, *extra):
     cfg.write_text(configs)
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         model,
         "--config",

@@ -186,6 +186,8 @@ def test_evaluate_sweeps_k_in_process(tmp_path, tiny_dir):
     )
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--model",
         tiny_dir,
         "--workload",

@@ -114,6 +114,8 @@ def test_guidellm_synchronous_profile_against_specwise_serve(tmp_path):
 
         cli(
             "evaluate",
+            "--repeats",
+            "1",
             "--endpoint",
             url,
             "--workload",

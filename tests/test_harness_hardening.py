@@ -211,6 +211,8 @@ def test_launching_onto_a_port_that_already_answers_is_refused_naming_the_proces
         serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port}"
         proc = cli(
             "evaluate",
+            "--repeats",
+            "1",
             "--endpoint",
             f"http://127.0.0.1:{port}",
             "--launch",
@@ -243,6 +245,8 @@ def test_a_launched_server_does_not_outlive_the_evaluation_that_launched_it(tmp_
             "-m",
             "specwise.cli",
             "evaluate",
+            "--repeats",
+            "1",
             "--endpoint",
             f"http://127.0.0.1:{port}",
             "--launch",
@@ -291,7 +295,20 @@ def _alive(pid: int) -> bool:
 
 def test_resume_retry_errors_runs_the_failed_requests_again_and_csv_cells_are_not_formulas(long_ctx_model, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    args = ("evaluate", "--model", long_ctx_model, "--tasks", "2", "--concurrency", "1", "--out", out, "--no-progress")
+    args = (
+        "evaluate",
+        "--repeats",
+        "1",
+        "--model",
+        long_ctx_model,
+        "--tasks",
+        "2",
+        "--concurrency",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+    )
     cli(*args)
     db = sqlite3.connect(out / "run.db")
     rows = db.execute("SELECT config, load, task_id, repeat, started FROM requests ORDER BY started").fetchall()

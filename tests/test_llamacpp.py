@@ -63,6 +63,8 @@ def llama_run(tmp_path_factory):
     spec = f"{base} --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 8"
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",

@@ -127,7 +127,7 @@ def test_adaptive_replay_follows_the_costs_the_engine_would_see():
 def baseline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "run"
     cli(
-        "evaluate", "--drafter", "ngram", "--k", "1,4", "--tasks", "6", "--max-tokens", "48",
+        "evaluate", "--repeats", "1", "--drafter", "ngram", "--k", "1,4", "--tasks", "6", "--max-tokens", "48",
         "--concurrency", "1,2", "--out", out, "--no-progress",
     )  # fmt: skip
     return out / "run.db"
@@ -322,8 +322,8 @@ def test_evaluate_predict_first_runs_only_what_is_not_predicted_to_lose(tmp_path
     run's plan holds only what ran."""
     out = tmp_path / "pf"
     proc = cli(
-        "evaluate", "--predict-first", "--drafter", "ngram", "--drafter", "layerskip:1", "--k", "2,auto",
-        "--tasks", "4", "--max-tokens", "24", "--concurrency", "1", "--out", out, "--no-progress",
+        "evaluate", "--repeats", "1", "--predict-first", "--drafter", "ngram", "--drafter", "layerskip:1",
+        "--k", "2,auto", "--tasks", "4", "--max-tokens", "24", "--concurrency", "1", "--out", out, "--no-progress",
     )  # fmt: skip
     assert "predict-first: layerskip:1 k=2: predicted to lose in every cell: not run" in proc.stderr
     auto = [ln for ln in proc.stderr.splitlines() if ln.startswith("predict-first: ngram k=auto: ")]

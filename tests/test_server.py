@@ -660,6 +660,8 @@ def http_run(live, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("http")
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         live.url,
         "--model",
@@ -707,6 +709,8 @@ def test_evaluate_launch_starts_and_stops_each_configurations_server(tiny_dir, t
     )
     proc = cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--api-key",
@@ -757,6 +761,8 @@ def test_a_sampled_evaluation_of_launched_specwise_servers_is_audited_token_for_
     serve = f"{sys.executable} -m specwise.cli serve --model {tiny_dir} --port {port} --served-model-name tiny"
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         f"http://127.0.0.1:{port}",
         "--workload",
@@ -806,7 +812,16 @@ def test_bad_endpoint_and_launch_input(tmp_path, args, needle):
     from test_evaluate import cli
 
     proc = cli(
-        "evaluate", *args, "--workload", workload_file(tmp_path), "--out", tmp_path / "o", "--no-progress", check=False
+        "evaluate",
+        "--repeats",
+        "1",
+        *args,
+        "--workload",
+        workload_file(tmp_path),
+        "--out",
+        tmp_path / "o",
+        "--no-progress",
+        check=False,
     )
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
 

@@ -105,6 +105,8 @@ def test_evaluate_launches_real_vllm_sweeps_k_and_exports_a_config_that_vllm_dra
     work = write_chat_workload(tmp_path / "copy.yaml", COPY, 48)  # the n-gram drafter has something to draft from
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--endpoint",
         url,
         "--workload",

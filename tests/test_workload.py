@@ -113,6 +113,8 @@ def test_the_embedded_model_passes_some_spec_bench_like_validators(tmp_path):
 
     cli(
         "evaluate",
+        "--repeats",
+        "1",
         "--workload",
         "spec-bench-like",
         "--tasks",
@@ -136,7 +138,7 @@ def test_the_embedded_model_passes_some_spec_bench_like_validators(tmp_path):
 def test_an_unknown_workload_name_is_refused(tmp_path):
     from test_evaluate import cli
 
-    proc = cli("evaluate", "--workload", "spec-bench", "--out", tmp_path, check=False)
+    proc = cli("evaluate", "--repeats", "1", "--workload", "spec-bench", "--out", tmp_path, check=False)
     assert proc.returncode == 2 and "neither a file nor a built-in workload" in proc.stderr
     assert "spec-bench-like" in proc.stderr
 

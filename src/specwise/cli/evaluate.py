@@ -2,8 +2,9 @@
 measuring, judging and reporting are harness/evaluate.py's.
 
 With no arguments it runs the built-in release-note workload (a stratified subset of 12 tasks) on the embedded
-model, baseline against n-gram drafting with adaptive k, at concurrency 1 and 4, and prints the verdict. `--quick`
-is a one-minute subset."""
+model, baseline against n-gram drafting with adaptive k, at concurrency 1 and 4, twice (the second repeat measures
+how far a phase shifts its requests together, docs/harness.md), and prints the verdict. `--quick` is a one-minute
+subset."""
 
 from __future__ import annotations
 
@@ -47,7 +48,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tasks", type=int, default=None, help="run a stratified subset of N tasks (default 12; --quick 4; 0 = all)"
     )
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="times every task runs per configuration and load (default 2: the second measures how far a phase "
+        "shifts its requests together, which the intervals then carry; --quick 1)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -57,7 +64,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         help=VERIFY_HELP + "; in-process engines only (a specwise server under --endpoint takes `serve --verify`)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="cap every task's output limit")
-    p.add_argument("--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2")
+    p.add_argument(
+        "--quick", action="store_true", help="a one-minute subset: 4 tasks, 48 tokens, concurrency 1,2, one repeat"
+    )
     p.add_argument(
         "--out", default="specwise-run", help="output directory: run.db and report.html (default ./specwise-run)"
     )
@@ -250,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
             )
             return 0
         configs = kept
-    plan = Plan(workload, configs, loads, args.repeats, args.seed, args.temperature, target, cap, verify)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+    plan = Plan(workload, configs, loads, repeats, args.seed, args.temperature, target, cap, verify)
     store = Store(out / "run.db")
     check_store(plan, store, args.resume)  # before the model loads
     if first is not None:
