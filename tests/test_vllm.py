@@ -234,6 +234,7 @@ def test_vllm_bench_serve_against_specwise_serve_agrees_with_the_servers_log(vll
                 "--num-warmups",
                 "0",
                 "--save-result",
+                "--save-detailed",  # each request's TTFT and start, to set beside the server's own
                 "--result-dir",
                 str(tmp_path),
                 "--result-filename",
@@ -257,12 +258,21 @@ def test_vllm_bench_serve_against_specwise_serve_agrees_with_the_servers_log(vll
     rows = rows[-8:]
     server_ttft = statistics.median(t * 1000 for t, _, _ in rows)
     server_tpot = statistics.median(d * 1000 / (n - 1) for _, d, n in rows if n > 1)
+    # One request at a time: the client's requests in the order they started are the log's in time order. The
+    # server's TTFT (from the request's arrival) lies inside the client's (from sending it), so each client TTFT is
+    # the server's plus what the HTTP round trip and the client's own event loop add on the same two cores: a few ms
+    # (a median over all requests against one over the server's put 54 ms beside 46 ms in one CI run).
+    starts, ttfts = bench["start_times"], bench["ttfts"]
+    client = [t * 1000 for _, t in sorted(zip(starts, ttfts, strict=True))]
+    added = [c - t * 1000 for c, (t, _, _) in zip(client, rows, strict=True)]
     print(
         f"\nvllm bench serve: TTFT p50 {bench['median_ttft_ms']:.1f} ms, TPOT p50 {bench['median_tpot_ms']:.2f} ms; "
-        f"server log: {server_ttft:.1f} ms, {server_tpot:.2f} ms"
+        f"server log: {server_ttft:.1f} ms, {server_tpot:.2f} ms; the client's TTFT beyond the server's, per request: "
+        + ", ".join(f"{a:.1f}" for a in added)
     )
     assert bench["median_tpot_ms"] == pytest.approx(server_tpot, rel=0.15)
-    assert bench["median_ttft_ms"] == pytest.approx(server_ttft, rel=0.15, abs=5.0)
+    assert all(a > -1.0 for a in added), added  # never less than the server's (1 ms for the two clocks' reading)
+    assert statistics.median(added) < 20.0, added  # … and more only by the round trip
 
 
 def test_a_head_trained_by_specwise_drafts_in_vllm_as_in_specwise(vllm_python, hf_dir, tmp_path):
