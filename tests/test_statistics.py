@@ -361,15 +361,16 @@ class PhaseShifts(Recorder):
     """A backend whose speculative phases run `speedup` times faster than the baseline's, each phase shifted as a
     whole by its own lognormal factor (what a 2-core VM does to a batch of requests), each request by a little."""
 
-    def __init__(self, rng, speedup, shift_sd):
+    def __init__(self, rng, speedup, shift_sd, shifted_loads=None):
         super().__init__()
-        self.rng, self.speedup, self.shift_sd = rng, speedup, shift_sd
+        self.rng, self.speedup, self.shift_sd, self.shifted = rng, speedup, shift_sd, shifted_loads
 
     def run(self, work):
         from specwise.harness.backends import Phase
         from specwise.harness.store import Record
 
-        shift = self.rng.lognormal(0, self.shift_sd) if work.config != "baseline" else 1.0
+        shifts = work.config != "baseline" and (self.shifted is None or work.load.name in self.shifted)
+        shift = self.rng.lognormal(0, self.shift_sd) if shifts else 1.0
         for r in work.requests:
             base = 1.0 + int(r.task_id[1:]) / 10  # tasks of different lengths
             e2e = base / (self.speedup if work.config != "baseline" else 1.0) * shift * self.rng.lognormal(0, 0.02)
@@ -407,3 +408,26 @@ def test_an_interval_carries_the_phases_shared_shifts_and_covers_the_speedup(tmp
             covered[name] += iv.lo <= 1.2 <= iv.hi
     # measured here: 53 of 60 with the phases (short of 95% by what a variance from 3 df leaves), 31 with tasks alone
     assert covered["phases"] / trials >= 0.82 and covered["tasks"] / trials <= 0.7, covered
+
+
+def test_a_loads_phase_noise_is_never_taken_below_the_runs_pooled_over_its_loads(tmp_path):
+    """A load's own estimate rests on few chunks (2-3 df), and reads near 0 by chance where the truth is not; the
+    run's estimate pooled over its loads is its floor. Phases shifted at concurrency 4 only: concurrency 1 reads its
+    own ~0 and is given the pooled estimate; concurrency 4 keeps its own, the larger."""
+    from specwise.harness.analyze import load_run
+    from specwise.harness.config import Config
+    from specwise.harness.load import Load
+    from specwise.harness.runner import Plan, run
+    from specwise.harness.store import Store
+    from specwise.harness.workload import Task, Workload
+
+    tasks = [Task(f"t{i}", ("g",), 8, "hi") for i in range(12)]
+    loads = [Load("concurrent", 1), Load("concurrent", 4)]
+    plan = Plan(Workload("w", tasks), [Config("baseline"), Config("spec", "ngram")], loads, repeats=3)
+    backend = PhaseShifts(np.random.default_rng(2), 1.2, 0.15, shifted_loads={"concurrent@4"})
+    run(plan, Store(tmp_path / "run.db"), backend, show_progress=False, chunk=4)
+    measured = load_run(tmp_path / "run.db")
+    noise = measured.analysed.phase_noise
+    one, four = noise["concurrent@1"], noise["concurrent@4"]
+    assert four.variance > one.variance > 0.0005 and one.df == 12  # the pooled: 3 chunks × 2 × 2 loads
+    assert four.df == 6 and four.sd > 0.08  # its own (3 chunks × 2)
