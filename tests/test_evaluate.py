@@ -119,26 +119,10 @@ def test_report_renders_in_headless_chromium_with_every_plot(quick_run, tmp_path
 
 def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, tmp_path):
     # 40 tasks × 2 configurations of up to 256 tokens: long enough (seconds, even on the fast kernels) to be killed
-    # part way through.
-    args = [
-        sys.executable,
-        "-m",
-        "specwise.cli",
-        "evaluate",
-        "--repeats",
-        "1",
-        "--model",
-        str(long_ctx_model),
-        "--tasks",
-        "0",
-        "--concurrency",
-        "1",
-        "--max-tokens",
-        "256",
-        "--out",
-        str(tmp_path),
-        "--no-progress",
-    ]
+    # part way through. Every call: one repeat, concurrency 1, 256 tokens, the same output directory.
+    same = ("--repeats", "1", "--model", str(long_ctx_model), "--concurrency", "1", "--max-tokens", "256")
+    same += ("--out", str(tmp_path), "--no-progress")
+    args = [sys.executable, "-m", "specwise.cli", "evaluate", "--tasks", "0", *same]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     db = tmp_path / "run.db"
     deadline = time.time() + 300
@@ -157,62 +141,13 @@ def test_resume_after_kill_measures_every_request_exactly_once(long_ctx_model, t
     proc.wait()
     before = {tuple(r) for r in sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests")}
     assert 4 <= len(before) < 80
-    again = cli(
-        "evaluate",
-        "--repeats",
-        "1",
-        "--model",
-        long_ctx_model,
-        "--tasks",
-        0,
-        "--concurrency",
-        1,
-        "--max-tokens",
-        256,
-        "--out",
-        tmp_path,
-        "--no-progress",
-        check=False,
-    )
+    again = cli("evaluate", "--tasks", 0, *same, check=False)
     assert again.returncode == 2 and "--resume" in again.stderr  # refuses to mix into an existing run
-    cli(
-        "evaluate",
-        "--repeats",
-        "1",
-        "--model",
-        long_ctx_model,
-        "--tasks",
-        0,
-        "--concurrency",
-        1,
-        "--max-tokens",
-        256,
-        "--out",
-        tmp_path,
-        "--no-progress",
-        "--resume",
-    )
+    cli("evaluate", "--tasks", 0, *same, "--resume")
     rows = sqlite3.connect(db).execute("SELECT config, load, task_id, repeat FROM requests").fetchall()
     assert len(rows) == len(set(rows)) == 80  # 40 tasks × 2 configurations, each once
     assert before <= set(rows)
-    differs = cli(
-        "evaluate",
-        "--repeats",
-        "1",
-        "--model",
-        long_ctx_model,
-        "--tasks",
-        9,
-        "--concurrency",
-        1,
-        "--max-tokens",
-        256,
-        "--out",
-        tmp_path,
-        "--no-progress",
-        "--resume",
-        check=False,
-    )
+    differs = cli("evaluate", "--tasks", 9, *same, "--resume", check=False)
     assert differs.returncode == 2 and "differs in: workload" in differs.stderr
 
 

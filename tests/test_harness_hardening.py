@@ -295,20 +295,8 @@ def _alive(pid: int) -> bool:
 
 def test_resume_retry_errors_runs_the_failed_requests_again_and_csv_cells_are_not_formulas(long_ctx_model, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    args = (
-        "evaluate",
-        "--repeats",
-        "1",
-        "--model",
-        long_ctx_model,
-        "--tasks",
-        "2",
-        "--concurrency",
-        "1",
-        "--out",
-        out,
-        "--no-progress",
-    )
+    args = ("evaluate", "--repeats", "1", "--model", long_ctx_model, "--tasks", "2", "--concurrency", "1")
+    args += ("--out", out, "--no-progress")
     cli(*args)
     db = sqlite3.connect(out / "run.db")
     rows = db.execute("SELECT config, load, task_id, repeat, started FROM requests ORDER BY started").fetchall()

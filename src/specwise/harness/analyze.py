@@ -337,9 +337,7 @@ def phase_units(run: Run) -> dict[tuple[str, str, str, int], Unit]:
     """Each record's phase as (load, repeat, the phase's tasks): the same for every configuration's phase of one
     chunk, so a configuration without phases of its own (a predicted one) takes the baseline's."""
     units = {key: (p.load, p.repeat, tuple(p.tasks)) for p in run.backgrounds for key in p.record_keys()}
-    if not run.plan.configs:
-        return units
-    base = run.plan.configs[0].name
+    base = run.plan.baseline.name
     for r in run.records:
         if r.key not in units and (base, r.load, r.task_id, r.repeat) in units:
             units[r.key] = units[(base, r.load, r.task_id, r.repeat)]
@@ -350,11 +348,9 @@ def measured_phase_noise(run: Run, units: Mapping[tuple[str, str, str, int], Uni
     """Per load, how far a phase pair (a configuration's phase and the baseline's of the same chunk, run one after
     the other) shifts its tasks' paired log speedups together (`statistics.phase_noise`), pooled over the
     configurations, and never below the estimate pooled over the loads too: a chunk repeated shows it; a run of one
-    repeat cannot (df 0). Drift that slows both phases of a
-    pair alike (a VM that speeds up between repeats) moves no speedup and is not counted."""
-    if not run.plan.configs:
-        return {}
-    baseline = run.plan.configs[0].name
+    repeat cannot (df 0). Drift that slows both phases of a pair alike (a VM that speeds up between repeats) moves
+    no speedup and is not counted."""
+    baseline = run.plan.baseline.name
     base = {r.key: r for r in run.records if r.config == baseline and r.error is None and r.e2e}
     phases: dict[str, dict[Hashable, dict[int, dict[Hashable, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in run.records:

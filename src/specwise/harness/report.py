@@ -317,7 +317,7 @@ def html_report(run: Run) -> str:
     if evidence:
         determinism = f"<p class=evidence>Losslessness audit compared: {escape('; '.join(evidence))}</p>" + determinism
     if phases := phase_line(a):
-        determinism = f"<p class=intervals>{escape(phases[0].upper() + phases[1:])}</p>" + determinism
+        determinism = f"<p class=intervals>{escape(phases)}</p>" + determinism
     best_k = ""
     if a.best_k:
         rows_k = "".join(
