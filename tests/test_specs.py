@@ -3,7 +3,7 @@
 import pytest
 
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, check_drafter_spec, parse_k, split_draft_vocab
+from specwise.specs import K_MAX, check_drafter_spec, parse_k, split_draft_vocab, split_head_precision
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), (1, 1), ("7", 7), (K_MAX, K_MAX)])
@@ -31,6 +31,14 @@ def test_a_draft_models_vocabulary_is_split_from_its_path():
     assert split_draft_vocab("qwen@full") == ("qwen", 0)
     assert split_draft_vocab("/v@2/model") == ("/v@2/model", None)  # an '@' inside the path stays the path's
     assert split_draft_vocab("qwen") == ("qwen", None)
+
+
+def test_a_heads_precision_is_split_from_its_path():
+    assert split_head_precision("/h/chat") == ("/h/chat", "int4")  # the default
+    assert split_head_precision("/h/chat@int8") == ("/h/chat", "int8")
+    assert split_head_precision("/h/chat@float32") == ("/h/chat", "float32")
+    assert split_head_precision("/h@2/chat") == ("/h@2/chat", "int4")  # an '@' inside the path stays the path's
+    assert split_head_precision("/h/chat@int3") == ("/h/chat@int3", "int4")  # not a precision: part of the path
 
 
 @pytest.mark.parametrize(

@@ -296,7 +296,9 @@ def test_a_head_trained_by_specwise_drafts_in_vllm_as_in_specwise(vllm_python, h
         timeout=900)  # fmt: skip
     from specwise.engine import Engine, SamplingParams, load_target
 
-    ours = Engine(load_target(hf_dir), drafter=f"eagle:{head}", k=4, max_batch=1)
+    # int8, not the 4-bit default: this compares the directory's meaning in two servers, and in int4 the memorised
+    # head accepted 0.67 of its drafts on the chats both answered alike where vLLM's bf16 accepted 0.83
+    ours = Engine(load_target(hf_dir), drafter=f"eagle:{head}@int8", k=4, max_batch=1)
     mine = ours.generate([[{"role": "user", "content": c}] for c in chats], SamplingParams(max_new_tokens=48))
     assert sum(r.stats.accepted for r in mine) > 0.3 * sum(r.stats.drafted for r in mine)  # memorised
     port = free_port()

@@ -32,6 +32,9 @@ QUANTIZE = ("int4", "int8")  # group-32 weight quantisation of Hugging Face weig
 # What the CPU kernels' 4- and 8-bit layers multiply: auto (int8: integer dot products, measured fastest on every
 # kernel variant, docs/benchmarks.md), int8, or float32 (exact to the weights: the reference).
 ACTIVATIONS = ("auto", "int8", "float32")
+# What a trained draft head's linear layers run in on the CPU kernels (`eagle:PATH@PRECISION`), the default first:
+# int4 drafts as well as int8 in half the bytes (docs/benchmarks.md, "A draft head trained on this CPU").
+HEAD_PRECISIONS = ("int4", "int8", "bfloat16", "float32")
 BUSY_SHARE = 0.10  # a phase whose background took more than this share of the cores is flagged as contended
 QUIET_MACHINE_MODES = ("ignore", "wait", "fail")  # evaluate --quiet-machine: the first is the default
 QUIET_WAIT_S = 120.0  # --quiet-machine wait: the longest wait for a quiet machine before one phase
@@ -43,7 +46,8 @@ VERIFY_HELP = (
 )
 DRAFTER_HELP = (
     "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH (model:PATH@IDS: the draft scores the first IDS token ids, "
-    "its specials and the prompt's; model:PATH@full: every id), eagle:PATH, int8, layerskip:SPEC (e.g. "
+    "its specials and the prompt's; model:PATH@full: every id), eagle:PATH (eagle:PATH@int8: the head's layers in "
+    "int8, not int4; also @bfloat16, @float32), int8, layerskip:SPEC (e.g. "
     "layerskip:12, layerskip:0-29/2)"
 )
 
@@ -60,6 +64,15 @@ def split_draft_vocab(arg: str) -> tuple[str, int | None]:
     if sep and path.strip() and (tail.isdigit() or tail == "full"):
         return path, 0 if tail == "full" else int(tail)
     return arg, None
+
+
+def split_head_precision(arg: str) -> tuple[str, str]:
+    """An eagle: drafter's argument → (directory, precision): 'DIR@int8' → int8, 'DIR' → the default
+    (HEAD_PRECISIONS[0]). An '@' followed by anything else belongs to the path."""
+    path, sep, tail = arg.rpartition("@")
+    if sep and path.strip() and tail in HEAD_PRECISIONS:
+        return path, tail
+    return arg, HEAD_PRECISIONS[0]
 
 
 def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:

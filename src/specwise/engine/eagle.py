@@ -26,11 +26,11 @@ from specwise.engine.cache import KVCache, KVShape, kernel_capacity
 from specwise.engine.model import ModelConfig, rope_inv_freq
 from specwise.engine.native import NativeDecoder, pack
 from specwise.errors import SpecwiseError
+from specwise.specs import HEAD_PRECISIONS
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this directory follows (what vLLM 0.32 reads)
-PRECISIONS = ("int8", "bfloat16", "float32")  # what the head's linear layers run in on the kernels
 
 
 @dataclass(frozen=True)
@@ -436,28 +436,31 @@ class NativeHead:
     the target's embedding table shared, not copied. `step` is one pass over any rows, from fused target features or
     from a hidden state."""
 
-    def __init__(self, head: EagleHead, target: NativeDecoder, precision: str = "int8"):
-        if precision not in PRECISIONS:
-            raise SpecwiseError(f"a head runs in {precision!r}? allowed: {', '.join(PRECISIONS)}")
+    def __init__(self, head: EagleHead, target: NativeDecoder, precision: str = HEAD_PRECISIONS[0]):
+        if precision not in HEAD_PRECISIONS:
+            raise SpecwiseError(f"a head runs in {precision!r}? allowed: {', '.join(HEAD_PRECISIONS)}")
         self.target, self.precision = target, precision
         h, c = head, target.cfg
         self.spec = h.spec
         self.lib = self.target.lib
-        act = "int8" if self.precision == "int8" else "float32"
         p = self.precision
+        integer = p in ("int4", "int8")
+        act = "int8" if integer else "float32"
         w = {k: v.float() for k, v in h.state().items()}
         lay = "layers.0."
-        # fc reads the target's raw residual stream, whose few huge channels would flatten every other value of
-        # their 32-group under int8 activations: it keeps fp32 activations and, in the int8 head, bf16 weights.
+        # In int4 every layer is 4-bit, the draft vocabulary's LM head too; fc (three target layers' raw residual
+        # streams in, the widest input) stays 8-bit. Its few huge channels flatten the rest of their 32-groups under
+        # int8 activations, yet its outputs move by ~1% (as the target's own layers do) and the 1.5B's head drafted
+        # the same tokens as with fp32 activations on bf16 weights, at a third of fc's time (docs/benchmarks.md).
         self._linears = {
-            "fc": pack(w["fc.weight"], "bfloat16" if p == "int8" else p),
+            "fc": pack(w["fc.weight"], "int8" if integer else p),
             "qkv": pack(torch.cat([w[lay + f"self_attn.{n}_proj.weight"] for n in "qkv"]), p),
             "o": pack(w[lay + "self_attn.o_proj.weight"], p),
             "gate_up": pack(torch.cat([w[lay + "mlp.gate_proj.weight"], w[lay + "mlp.up_proj.weight"]]), p),
             "down": pack(w[lay + "mlp.down_proj.weight"], p),
-            "lm": pack(w["lm_head.weight"], p, head=True),
+            "lm": pack(w["lm_head.weight"], p),
         }
-        self._structs = {k: v.struct("float32" if k == "fc" else act) for k, v in self._linears.items()}
+        self._structs = {k: v.struct(act) for k, v in self._linears.items()}
         self._embed = self.target.weights.embed.struct()
         names = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
         self._norms = {k: w[lay + k + ".weight"].contiguous() for k in names}

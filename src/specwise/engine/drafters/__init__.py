@@ -23,7 +23,7 @@ from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
 from specwise.engine.native import NativeDecoder
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
-from specwise.specs import DRAFTER_HELP, check_drafter_spec, split_draft_vocab
+from specwise.specs import DRAFTER_HELP, check_drafter_spec, split_draft_vocab, split_head_precision
 
 __all__ = [
     "DRAFTER_HELP",
@@ -81,7 +81,8 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         q = target.model.requantized("int8")  # every linear layer in 8 bits (group 32); embeddings shared
         return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
     if kind == "eagle":
-        return EagleDrafter(arg, target, num_slots, cache_len)
+        path, precision = split_head_precision(arg)
+        return EagleDrafter(path, target, num_slots, cache_len, precision)
     if kind == "model":
         path, size = split_draft_vocab(arg)
         told = "" if size is None else f"@{size or 'full'}"  # in the name: requests choose drafters by name

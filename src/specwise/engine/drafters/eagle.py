@@ -21,6 +21,7 @@ from specwise.engine.drafters.draft_model import chain, choose
 from specwise.engine.native import NativeDecoder
 from specwise.errors import SpecwiseError
 from specwise.identity import directory_sha256
+from specwise.specs import HEAD_PRECISIONS
 
 Out = tuple[torch.Tensor, torch.Tensor]  # a row's draft logits and the head's hidden state before its norm
 
@@ -28,14 +29,14 @@ Out = tuple[torch.Tensor, torch.Tensor]  # a row's draft logits and the head's h
 class EagleDrafter:
     """Drafts with an EAGLE-3 head on the target's kernels; `feature_layers` asks the engine for features."""
 
-    def __init__(self, path: str, target, num_slots: int, cache_len: int, precision: str = "int8"):
+    def __init__(self, path: str, target, num_slots: int, cache_len: int, precision: str = HEAD_PRECISIONS[0]):
         model = target.model
         if not isinstance(model, NativeDecoder):
             raise SpecwiseError("eagle drafting needs a Llama-family target on the CPU kernels (our decoder)")
         directory = Path(path).expanduser()
         head = E.load(directory, model, embedding=False)  # the kernels read the target's own table
         E.check_target(head.spec, target, directory)
-        self.name = f"eagle:{path}"
+        self.name = f"eagle:{path}" + ("" if precision == HEAD_PRECISIONS[0] else f"@{precision}")  # as spelled
         self.directory = directory
         self.runner = E.NativeHead(head, model, precision)
         self.spec = head.spec
