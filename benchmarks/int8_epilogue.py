@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specwise.engine import kernels as K
+
 SRC = r"""
 #include <immintrin.h>
 #include <stdio.h>
@@ -201,9 +203,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    if "avx512_vnni" not in flags or "avx512bw" not in flags:
+    if "avx512" not in K.runnable() or "avx512_vnni" not in K.cpu_features():
         print("this CPU has no AVX-512 VNNI: the versions here are written with vpdpbusd", file=sys.stderr)
+        return 2
+    cc = K._compiler()
+    if cc is None:
+        print("no C compiler (cc, gcc or clang) on PATH", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="specwise-epilogue-"))
     (tmp / "e.c").write_text(SRC)
@@ -211,21 +216,8 @@ def main() -> int:
     for name, (epi, tiles) in VERSIONS.items():
         for r in tiles:
             exe = tmp / f"e{epi}_{r}"
-            subprocess.run(
-                [
-                    os.environ.get("CC", "cc"),
-                    "-O3",
-                    "-march=x86-64-v4",
-                    "-mavx512vnni",
-                    "-ffp-contract=off",
-                    f"-DEPI={epi}",
-                    f"-DR={r}",
-                    str(tmp / "e.c"),
-                    "-o",
-                    str(exe),
-                ],
-                check=True,
-            )
+            cmd = [cc, "-O3", *K.flags("avx512"), "-ffp-contract=off", f"-DEPI={epi}", f"-DR={r}", str(tmp / "e.c")]
+            subprocess.run([*cmd, "-o", str(exe)], check=True)
             bins[(name, r)] = exe
     cpu = os.sched_getaffinity(0)
     pin = ["taskset", "-c", str(max(cpu))] if len(cpu) > 1 else []

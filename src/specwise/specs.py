@@ -13,6 +13,7 @@ kept in one torch-free place so each rule is stated once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specwise.errors import SpecwiseError
@@ -60,19 +61,21 @@ def _draft_vocab_ok(arg: str) -> bool:
 def split_draft_vocab(arg: str) -> tuple[str, int | None]:
     """A model: drafter's argument → (path, draft vocabulary): 'PATH@32768' → 32768, 'PATH@full' → 0 (every id),
     'PATH' → None (the default for its vocabulary). An '@' followed by anything else belongs to the path."""
-    path, sep, tail = arg.rpartition("@")
-    if sep and path.strip() and (tail.isdigit() or tail == "full"):
-        return path, 0 if tail == "full" else int(tail)
-    return arg, None
+    path, tail = _at_suffix(arg, lambda t: t.isdigit() or t == "full")
+    return (path, None) if tail is None else (path, 0 if tail == "full" else int(tail))
 
 
 def split_head_precision(arg: str) -> tuple[str, str]:
     """An eagle: drafter's argument → (directory, precision): 'DIR@int8' → int8, 'DIR' → the default
     (HEAD_PRECISIONS[0]). An '@' followed by anything else belongs to the path."""
+    path, tail = _at_suffix(arg, lambda t: t in HEAD_PRECISIONS)
+    return path, tail or HEAD_PRECISIONS[0]
+
+
+def _at_suffix(arg: str, allowed: Callable[[str], bool]) -> tuple[str, str | None]:
+    """'PATH@TAIL' → (PATH, TAIL) where `allowed(TAIL)`; else (arg, None): an '@' before anything else is the path's."""
     path, sep, tail = arg.rpartition("@")
-    if sep and path.strip() and tail in HEAD_PRECISIONS:
-        return path, tail
-    return arg, HEAD_PRECISIONS[0]
+    return (path, tail) if sep and path.strip() and allowed(tail) else (arg, None)
 
 
 def parse_k(value: object, *, k_max: int = K_MAX) -> int | str:
