@@ -261,7 +261,12 @@ def plots(run: Run) -> dict[str, str]:
     """Every plot of the report, by name."""
     a = run.analysed
     out = {}
-    rows = [(f"{c.group} {c.load}", c.e2e_speedup.value, c.e2e_speedup.lo, c.e2e_speedup.hi) for c in a.comparisons]
+    several = len({c.config for c in a.comparisons}) > 1  # then each row says which configuration it is
+    rows = [
+        (f"{c.config} · {c.group} {c.load}" if several else f"{c.group} {c.load}", e.value, e.lo, e.hi)
+        for c in a.comparisons
+        for e in [c.e2e_speedup]
+    ]
     out["speedup"] = svgplot.interval_chart("E2E speedup per group (95% CI)", rows, x_label="baseline E2E / spec E2E")
     by_group: dict[str, list[tuple[float, float, float, float]]] = {}
     for c in a.comparisons:  # speedup against load: one line per configuration × group, closed-loop loads
@@ -282,19 +287,26 @@ def plots(run: Run) -> dict[str, str]:
         f"E2E p50 against load (group {first or '-'})", series, "concurrency / rate", "seconds"
     )
     spec_rows = [r for r in a.table if r.config != a.baseline]
+    configs = list(dict.fromkeys(r.config for r in spec_rows))
     accs = [x for r in spec_rows if r.group == first for x in r.per_request_acceptance]
+    pooled = f", {len(configs)} configurations pooled" if len(configs) > 1 else ""
     out["acceptance_histogram"] = svgplot.histogram(
-        "Per-request acceptance rate (speculative)", accs, x_label="acceptance rate"
+        f"Per-request acceptance rate (group {first or '-'}{pooled})", accs, x_label="acceptance rate"
     )
-    by_pos: dict[int, list[float]] = {}
+    by_pos: dict[str, dict[int, list[float]]] = {}  # configuration → draft position → its cells' acceptance
     for r in spec_rows:
         for i, v in enumerate(r.acceptance_by_position):
-            by_pos.setdefault(i, []).append(v)
-    bars = [(str(i + 1), sum(v) / len(v)) for i, v in sorted(by_pos.items())]
+            by_pos.setdefault(r.config, {}).setdefault(i, []).append(v)
     title = "Acceptance by draft position"
-    if not bars and (counted := counter_positions(run)):  # no per-request positions: the server's own counters
-        bars, title = [(str(i + 1), v) for i, v in enumerate(counted)], title + " (server counters: accepted / drafts)"
-    out["acceptance_by_position"] = svgplot.bar_chart(title, bars, "position", "acceptance", y_max=1.0)
+    if len(by_pos) > 1:  # one line per configuration: drafters differ most in how far their drafts hold
+        lines = {c: [(i + 1.0, sum(v) / len(v)) for i, v in sorted(p.items())] for c, p in by_pos.items()}
+        out["acceptance_by_position"] = svgplot.line_chart(title, lines, "position", "acceptance")
+    else:
+        bars = [(str(i + 1), sum(v) / len(v)) for p in by_pos.values() for i, v in sorted(p.items())]
+        if not bars and (counted := counter_positions(run)):  # no per-request positions: the server's counters
+            bars = [(str(i + 1), v) for i, v in enumerate(counted)]
+            title += " (server counters: accepted / drafts)"
+        out["acceptance_by_position"] = svgplot.bar_chart(title, bars, "position", "acceptance", y_max=1.0)
     pts: dict[str, list[tuple[float, float]]] = {}
     for rec in run.records:
         if rec.error is None and rec.ttft is not None and rec.e2e is not None:
@@ -409,7 +421,7 @@ def html_report(run: Run) -> str:
     )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>specwise report</title><style>
 body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
-figure{{display:inline-block;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
+figure{{display:inline-block;vertical-align:top;margin:0.5em;border:1px solid #ddd;padding:0.5em}}
 table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
 .verdict{{border-left:6px solid #999;padding:0.2em 1em;margin:1em 0}}.adopt{{border-color:#59a14f}}
 .conditional{{border-color:#edc948}}.reject{{border-color:#e15759}}.inconclusive{{border-color:#bab0ac}}

@@ -23,17 +23,24 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _frame(
-    title: str, body: str, x_label: str = "", y_label: str = "", legend: list[tuple[str, str]] | None = None
+    title: str,
+    body: str,
+    x_label: str = "",
+    y_label: str = "",
+    legend: list[tuple[str, str]] | None = None,
+    shift: float = 0.0,
 ) -> str:
     """The chart's box, title and axis labels; a legend (name, colour) goes in rows below the x axis label, never
-    over the plotted area."""
+    over the plotted area. `shift` widens the box on the left (for long row labels): the body moves right by it."""
     keys, extra = _legend(legend or [])
-    height = H + extra
+    height, width = H + extra, W + shift
+    if shift:
+        body = f'<g transform="translate({shift:.0f},0)">{body}</g>'
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {height}" width="{W}" height="{height}" '
-        f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
-        f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>'
-        f'{body}<text x="{(L + W - R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width:.0f} {height}" width="{width:.0f}" '
+        f'height="{height}" role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>'
+        f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>'
+        f'{body}<text x="{shift + (L + W - R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
         f"{escape(x_label)}</text>"
         f'<text x="12" y="{(T + H - B) / 2}" font-size="11" transform="rotate(-90 12 {(T + H - B) / 2})" '
         f'text-anchor="middle">{escape(y_label)}</text>{keys}</svg>'
@@ -41,6 +48,7 @@ def _frame(
 
 
 LEGEND_ROW, CHAR_W = 16, 6.5  # a legend row's height; a rough width of one 11px character
+LABEL_W = 5.6  # a rough width of one 10px character (a row label)
 
 
 def _legend(items: list[tuple[str, str]]) -> tuple[str, int]:
@@ -84,7 +92,8 @@ def _yaxis(lo: float, hi: float, sy) -> str:
 def interval_chart(
     title: str, rows: list[tuple[str, float, float, float]], reference: float = 1.0, x_label: str = ""
 ) -> str:
-    """One row per label: a dot at the value and a whisker from lo to hi; a dashed line at `reference`."""
+    """One row per label: a dot at the value and a whisker from lo to hi; a dashed line at `reference`. The box
+    widens on the left where a label would not fit the usual margin."""
     if not rows:
         return _frame(title, '<text x="50%" y="50%" text-anchor="middle">no data</text>')
     lo = min(min(r[2] for r in rows), reference) * 0.95
@@ -104,7 +113,8 @@ def interval_chart(
             f'<line x1="{sx(a):.1f}" y1="{y:.1f}" x2="{sx(b):.1f}" y2="{y:.1f}" stroke="{color}" '
             f'stroke-width="2"/><circle cx="{sx(v):.1f}" cy="{y:.1f}" r="4" fill="{color}"/>'
         )
-    return _frame(title, "".join(out), x_label)
+    shift = max(0.0, 12 + LABEL_W * max(len(r[0]) for r in rows) - L)
+    return _frame(title, "".join(out), x_label, shift=shift)
 
 
 def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "", y_label: str = "") -> str:
