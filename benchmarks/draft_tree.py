@@ -9,8 +9,8 @@ target's features right after it, one head pass per further level) in one-token 
 decode speed a shape can reach against plain decoding, before the engine's own per-iteration work; the chains'
 real decode ratios on the same prompts (prompt-interleaved) are printed beside theirs, to show how far the model is off.
 
-    python benchmarks/draft_tree.py --head DIR [--trained-on 380] [--prompts 68] [--nodes 16] [--context 128]
-        [--decode 12]
+    python benchmarks/draft_tree.py --head DIR [--model NAME] [--trained-on 380] [--prompts 68] [--nodes 16]
+        [--context 128] [--decode 12]
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def costs(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="the target (default: the embedded model), e.g. qwen2.5-coder-1.5b")
     ap.add_argument("--head", required=True, help="a head trained on the first --trained-on chat-like prompts")
     ap.add_argument("--trained-on", type=int, default=380, help="chat-like prompts the head was trained on")
     ap.add_argument("--prompts", type=int, default=68, help="held-out chat-like prompts (after those)")
@@ -153,7 +154,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache when costs are measured")
     ap.add_argument("--decode", type=int, default=12, help="held-out prompts the chains really decode (0: none)")
     args = ap.parse_args()
-    target = load_target()
+    target = load_target(args.model)
     tok = target.tokenizer
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {K.describe()}")
     texts = chat_like(args.trained_on + args.prompts, seed=1)[args.trained_on :]
