@@ -1,6 +1,7 @@
 """Every bad input named in the engine issue: one clear error naming the value and what is allowed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,20 @@ def test_draft_model_with_another_vocabulary(tiny, tmp_path):
 def test_bad_drafter_specs(tiny, spec, needle):
     with pytest.raises(SpecwiseError, match=needle):
         Engine(tiny, drafter=spec)
+
+
+@pytest.mark.parametrize(
+    "kind, tail, allowed", [("model", "fulll", "or full"), ("eagle", "int3", "int4 (the default)")]
+)
+def test_a_mistyped_option_after_at_is_named_not_taken_for_a_missing_path(tiny, tiny_dir, kind, tail, allowed):
+    # model:DIR@fulll and eagle:DIR@int3 name an existing DIR: the '@' part is the mistake, not the path
+    with pytest.raises(SpecwiseError, match=rf"{tail}' after '@' is not allowed \(allowed: .*{re.escape(allowed)}"):
+        Engine(tiny, drafter=f"{kind}:{tiny_dir}@{tail}")
+
+
+def test_an_unknown_model_name_lists_the_known_ones():
+    with pytest.raises(SpecwiseError, match=r"does not exist: it is neither a model name .*qwen2.5-coder-1.5b"):
+        load_target("qwen2.5-coder-7b")
 
 
 @pytest.mark.parametrize("k", [0, 17, "fast", -2])

@@ -126,7 +126,9 @@ def load_target(
     dev = resolve_device(opts.device)
     source = models.resolve(opts.model)  # None: the embedded model; a name: its GGUF, assembled once
     if not source.exists():
-        raise SpecwiseError(f"model path {str(source)!r} does not exist (give an HF directory or a .gguf file)")
+        raise SpecwiseError(
+            f"model {str(source)!r} does not exist: it is neither a model name nor a path (give {models.MODEL_HELP})"
+        )
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise SpecwiseError(f"{source}: a model file must be .gguf (or give an HF directory with config.json)")

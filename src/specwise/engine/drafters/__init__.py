@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from specwise import models
 from specwise.engine.cache import CausalLM, output_size
 from specwise.engine.draft_vocab import DraftVocab, default_size
 from specwise.engine.drafters.base import Draft, Drafter, SequenceView
@@ -23,7 +26,13 @@ from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
 from specwise.engine.native import NativeDecoder
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
-from specwise.specs import DRAFTER_HELP, check_drafter_spec, split_draft_vocab, split_head_precision
+from specwise.specs import (
+    DRAFTER_HELP,
+    HEAD_PRECISIONS,
+    check_drafter_spec,
+    split_draft_vocab,
+    split_head_precision,
+)
 
 __all__ = [
     "DRAFTER_HELP",
@@ -82,9 +91,11 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         return ModelDrafter(q, "int8", num_slots, cache_len, q.extra_bytes(target.model))
     if kind == "eagle":
         path, precision = split_head_precision(arg)
+        _check_suffix(kind, arg, path, f"{HEAD_PRECISIONS[0]} (the default), " + ", ".join(HEAD_PRECISIONS[1:]))
         return EagleDrafter(path, target, num_slots, cache_len, precision)
     if kind == "model":
         path, size = split_draft_vocab(arg)
+        _check_suffix(kind, arg, path, "a number of token ids (32 or more), or full")
         told = "" if size is None else f"@{size or 'full'}"  # in the name: requests choose drafters by name
         draft = load_target(path, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, path)
@@ -97,6 +108,16 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
             model = DraftVocab(model, size, draft.tokenizer.special_ids())
         return ModelDrafter(model, f"model:{draft.identity.name}{told}", num_slots, cache_len, extra, draft.identity)
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
+
+
+def _check_suffix(kind: str, arg: str, path: str, allowed: str) -> None:
+    """Refuse `kind:PATH@TAIL` whose TAIL was not taken as an option (so it stayed in the path) where PATH alone
+    names something and PATH@TAIL does not: a mistyped option, not a missing file."""
+    base, sep, tail = arg.rpartition("@")
+    if path != arg or not sep or Path(arg).expanduser().exists():
+        return
+    if models.lookup(base) is not None or Path(base).expanduser().exists():
+        raise SpecwiseError(f"{kind}:{arg}: {tail!r} after '@' is not allowed (allowed: {allowed})", param="drafter")
 
 
 def check_same_vocabulary(target, draft, label: str) -> None:
