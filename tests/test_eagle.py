@@ -16,6 +16,8 @@ from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine import draft_data as D
 from specwise.engine import draft_train as T
 from specwise.engine import eagle as E
+from specwise.engine.drafters import make_drafter
+from specwise.engine.replay import DraftRule, replay, target_features
 from specwise.errors import SpecwiseError
 
 PROMPTS = ["hello world", "the cat sat on", "abcabc", "speculative", "a b c d e", "zzz top", "ok ok ok", "x"]
@@ -291,3 +293,30 @@ def test_the_head_is_the_drafts_identity(tiny4, tiny4_head):
     assert prov["name"] == f"eagle:{tiny4_head}" and prov["derived_from"] == E.target_origin(tiny4)
     recorded = json.loads((tiny4_head / E.CONFIG).read_text())["specwise"]["data_sha256"]
     assert len(prov["sha256"]) == 64 and len(recorded) == 64 and prov["trained_on"] == recorded
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_replayed_acceptance_of_a_head_equals_the_runs_own_counts(tiny4, tiny4_head, k):
+    """`specwise predict` for a trained head: the target's features over each output (one pass), handed to the head
+    step by step as the engine's passes hand them, give exactly the counts the speculative run recorded."""
+    params = SamplingParams(max_new_tokens=24)
+    plain = Engine(tiny4, max_batch=1)
+    outputs = [plain.generate(p, params)[0].token_ids for p in PROMPTS]
+    engine = Engine(tiny4, drafter=f"eagle:{tiny4_head}", k=k, max_batch=1, prefill_chunk=5)
+    runs = [engine.generate(p, params)[0] for p in PROMPTS]
+    assert [r.token_ids for r in runs] == outputs
+    drafter = make_drafter(f"eagle:{tiny4_head}", tiny4, 1, engine.cache_len)
+    rule = DraftRule(k, params.max_new_tokens, engine.max_len)
+    replayed = []
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = plain.encode_prompt(prompt)
+        features = target_features(tiny4.model, engine.drafter.feature_layers, ids, out)
+        replayed.append(replay(drafter, ids, out, rule, features=features))
+
+    def counts(s) -> tuple:
+        return (s.steps, s.drafted, s.accepted, s.drafted_per_position, s.accepted_per_position)
+
+    assert [counts(r.counts) for r in replayed] == [counts(r.stats) for r in runs]
+    assert sum(r.counts.accepted for r in replayed) > 0  # the head was right sometimes: the equality is not vacuous
+    with pytest.raises(SpecwiseError, match="hidden states"):
+        replay(drafter, ids, out, rule)  # no features: refused

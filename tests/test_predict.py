@@ -187,7 +187,7 @@ def test_a_predicted_verdict_judges_the_evaluations_expected_interval_not_the_mo
 
 def test_predict_refuses_what_it_cannot_replay(baseline_run, tmp_path):
     bad = cli("predict", "--from-run", baseline_run, "--drafter", "eagle:/nowhere", check=False)
-    assert bad.returncode == 2 and "hidden states" in bad.stderr
+    assert bad.returncode == 2 and "eagle:/nowhere: no such directory" in bad.stderr
     bad = cli("predict", "--from-run", baseline_run, "--drafter", "ngram", "--k", "0", check=False)
     assert bad.returncode == 2 and "--k" in bad.stderr
     # A run whose records carry no token ids (an older run, or a server's): what is missing, nothing written.
@@ -517,3 +517,25 @@ def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_dr
     odd = fit_overhead(falling, 1.0)
     assert odd.per_draft_token == 0.0 and odd.error > 0
     assert fit_overhead([], 1.0).base == 0.0
+
+
+def test_predict_takes_a_trained_head(embedded, baseline_run, tmp_path):
+    """eagle:DIR is predicted like the other drafters: the target's features over each baseline output handed to the
+    head step by step (tests/test_eagle.py holds the replayed counts to the run's own), its drafting timed as in a
+    run. An untrained head accepts few drafts: drafting at k=2 is then predicted to cost time, not save it."""
+    from specwise.engine import draft_data as D
+    from specwise.engine import draft_train as T
+    from specwise.engine import eagle as E
+
+    tok = embedded.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three fruits."}]))]
+    head = tmp_path / "head"
+    E.save(T.untrained_head(embedded, D.collect(embedded, ids, max_new_tokens=16), 512), head)
+    out = tmp_path / "p.json"
+    proc = cli("predict", "--from-run", baseline_run, "--drafter", f"eagle:{head}", "--k", "2", "--json", out)
+    assert f"PREDICTED VERDICT for eagle:{head} k=2" in proc.stdout
+    cells = json.loads(out.read_text())["cells"]
+    assert {c["load"] for c in cells} == {"concurrent@1", "concurrent@2"} and all(c["k"] == 2 for c in cells)
+    assert all(c["acceptance_rate"] is not None and c["mean_acceptance_length"] >= 1.0 for c in cells)
+    rarely = [c for c in cells if c["acceptance_rate"] < 0.1]
+    assert rarely and all(c["predicted_e2e_speedup"]["value"] < 1.0 for c in rarely)

@@ -141,8 +141,8 @@ def add(sub: argparse._SubParsersAction) -> None:
 def predict_first(workload, loads, configs, target, cap, out: Path, progress: bool):
     """--predict-first: the baseline measured once into OUT/predict-baseline, each configuration predicted from its
     outputs (every k of a drafter from one replay; k=auto as the engine would choose it on this machine's costs),
-    and the configurations predicted to lose in every cell named for skipping; those without a prediction (a trained
-    head) are run as asked."""
+    and the configurations predicted to lose in every cell named for skipping; those without a prediction (a sampled
+    run's model drafters) are run as asked."""
     from specwise.cli.predict import BaselineSpec, PredictSetup, check_predictable, measure_baseline, predict
     from specwise.harness.predict import config_name
     from specwise.harness.results import PredictedCell, PredictFirst

@@ -103,15 +103,10 @@ def check_predictable(drafter: str, ks: Sequence, sampled: bool) -> None:
     """Refuse a drafter or k that replay cannot predict, naming what it can."""
     if any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
         raise SpecwiseError(f"--k {','.join(map(str, ks))}: predict takes draft lengths ≥ 1 and auto")
-    if drafter.startswith("eagle:"):
-        raise SpecwiseError(
-            "--drafter eagle:…: a trained head drafts from the target's hidden states, which replay does not compute "
-            "yet; predict takes ngram, suffix, model:, int8 and layerskip: drafters"
-        )
     if sampled and not drafter.startswith(("ngram", "suffix")):
         raise SpecwiseError(
             f"--drafter {drafter}: a sampled run replays exactly for model-free drafters (ngram, suffix) only; "
-            "a draft model's proposals there depend on its own noise"
+            "a draft model's or a trained head's proposals there depend on its own noise"
         )
 
 
@@ -322,6 +317,28 @@ def measure_baseline(spec: BaselineSpec, out: Path, progress: bool = True) -> Pa
     return path
 
 
+def _head_in_a_run(target, spec: str, engine, requests: list) -> float:
+    """How much longer a trained head's drafting takes in a run than replayed (the target's pass in between evicts
+    the head's weights): the same requests (prompt, baseline record) through an engine drafting with it at k=2 and
+    replayed at k=2 — greedy, so the very same drafts — their drafting seconds' ratio."""
+    from specwise.engine import Engine, SamplingParams
+    from specwise.engine.drafters import make_drafter
+    from specwise.engine.replay import DraftRule, replay, target_features
+
+    run = Engine(target, drafter=spec, k=2, max_batch=1, max_len=engine.max_len)
+    layers = getattr(run.drafter, "feature_layers", ())
+    in_run = replayed = 0.0
+    for request, record in requests:
+        result = run.generate([request], SamplingParams(max_new_tokens=record.output_tokens))[0]
+        in_run += result.stats.drafting_time
+        ids = engine.encode_prompt(request)
+        drafter = make_drafter(spec, target, 1, engine.cache_len)
+        rule = DraftRule(2, record.output_tokens, engine.max_len)
+        features = target_features(target.model, layers, ids, result.token_ids)
+        replayed += replay(drafter, ids, result.token_ids, rule, features=features).counts.drafting_time
+    return in_run / replayed if replayed > 0 and in_run > 0 else 1.0
+
+
 def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     """Load the run's target, rebuild each prompt, replay every baseline output for every k with the drafter `spec`;
     measure (or read) the pass-cost curve."""
@@ -339,6 +356,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         greedy_guesses,
         replay,
         replay_guesses,
+        target_features,
     )
     from specwise.harness.backends import WARM_UP
     from specwise.harness.evaluate import engine_batch, workload_from
@@ -381,6 +399,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
     auto_drafter = drafter
     guesses_of: dict = {}  # record key → a greedy draft model's guesses (k=auto replays them again, below)
+    features: dict = {}  # record key (None: the warm-up) → the target's features over it, for a trained head
+    layers: tuple[int, ...] = ()  # a trained head's: the target's layers whose hidden states it reads
+    cold = 1.0  # a trained head's drafting in a run ÷ replayed (`_head_in_a_run`)
     per_token, pass_cost = 0.0, DraftPassCost()
     # a request in flight alone drafts alone: a draft model then also feeds guesses of its draft's continuation
     alone = {ld.name: ld.kind == "concurrent" and ld.value == 1 for ld in plan.loads}
@@ -404,17 +425,39 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
         warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
         warm_ids = engine.encode_prompt(WARM_UP[0])
+        # A trained head reads the target's hidden states: one target pass over each output gives them (the rows
+        # the run's passes handed it), and its drafted token's price is timed on the warm-up request.
+        layers = getattr(drafter, "feature_layers", ())
+        if layers:
+            assert isinstance(target.model, NativeDecoder)  # a head drafts only for a target on the kernels
+            features = {r.key: target_features(target.model, layers, prompts[r.task_id], r.tokens) for r in ordered}
+            features[None] = target_features(target.model, layers, warm_ids, warm.token_ids)
         for k in ks:
             drafter = make_drafter(spec, target, 1, engine.cache_len)  # a fresh history per k (suffix)
             warm_k = DEFAULT_K_MAX if k == "auto" else int(k)
-            replay(drafter, warm_ids, warm.token_ids, DraftRule(warm_k, WARM_UP[1], engine.max_len))
+            warm_rule = DraftRule(warm_k, WARM_UP[1], engine.max_len)
+            warmed = replay(drafter, warm_ids, warm.token_ids, warm_rule, features=features.get(None))
+            if layers:
+                per_token = warmed.counts.drafting_time / max(warmed.counts.drafted, 1)
             if k == "auto":
                 auto_drafter = drafter  # replayed below, once the costs that steer it are known
                 continue
             for r in ordered:
                 assert r.tokens is not None
-                out = replay(drafter, prompts[r.task_id], r.tokens, DraftRule(k, limits[r.task_id], engine.max_len))
+                fixed_rule = DraftRule(k, limits[r.task_id], engine.max_len)
+                out = replay(drafter, prompts[r.task_id], r.tokens, fixed_rule, features=features.get(r.key))
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
+        if layers:  # the head drafts between the target's passes, on caches they flushed: timed as it runs there
+            cold = _head_in_a_run(target, spec, engine, [(tasks[r.task_id].request, r) for r in ordered[:2]])
+            per_token *= cold
+            replays = [  # a request drafting alone pays it in full; in a batch one head pass serves every row
+                dataclasses.replace(
+                    r, counts=dataclasses.replace(r.counts, drafting_time=r.counts.drafting_time * cold)
+                )
+                if alone[r.key[1]]
+                else r
+                for r in replays
+            ]
 
     def drafting_engine():  # passes are timed as the speculative run's were (an engine that drafts runs torch
         return Engine(target, drafter=spec, k=1, max_batch=engine.max_batch, max_len=engine.max_len)
@@ -451,7 +494,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                     guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
                 )
             else:
-                out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule)
+                out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule, features=features.get(r.key))
+                if layers and rule.rows == 1:
+                    out.counts.drafting_time *= cold
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.catch_up))
             prior = next_prior(prior, out.counts)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]

@@ -38,6 +38,7 @@ from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise
 from specwise.engine.sampling import SamplingParams, greedy
+from specwise.errors import SpecwiseError
 from specwise.speccounts import SpecCounts
 
 
@@ -149,14 +150,25 @@ def replay(
     rule: DraftRule | AdaptiveRule,
     slot: int = 0,
     history: bool = True,
+    features: torch.Tensor | None = None,
 ) -> Replayed:
     """`walk` asking `drafter` at every step (timed); the drafter's slot is released at the end, as the engine does
-    when a request finishes (so a suffix drafter's history grows as it would have)."""
+    when a request finishes (so a suffix drafter's history grows as it would have). A drafter that reads the
+    target's hidden states (a trained head) is handed `features` (`target_features`) of what is committed before
+    each step, as the engine hands it the rows its passes commit."""
     view = ReplayView(slot, list(prompt_ids), len(prompt_ids), history=history)
     paid = [0.0]  # a draft model's catching up alone (`ModelDrafter.one_off_seconds`)
+    handed = [0]  # positions whose features the drafter holds
+    reader = getattr(drafter, "observe_features", None)
+    if reader is not None and features is None:
+        raise SpecwiseError(f"{drafter.name} drafts from the target's hidden states: replay needs them (features=)")
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         view.token_ids += output_ids[len(view.token_ids) - len(prompt_ids) : p]  # committed so far, one list
+        if reader is not None and features is not None:
+            end = len(view.token_ids) - 1  # the pending token's features come from the pass that verifies
+            reader(slot, handed[0], features[handed[0] : end])
+            handed[0] = end
         t0 = time.perf_counter()
         draft = drafter.propose([view], [ke])[0].tokens
         paid[0] += float(getattr(drafter, "one_off_seconds", 0.0))
@@ -170,6 +182,31 @@ def replay(
 
 
 CHUNK = 256  # rows per pass when a guess pass covers a long sequence
+
+
+def target_features(model: NativeDecoder, layers: tuple[int, ...], prompt_ids: list[int], output_ids: list[int]):
+    """The target's hidden states entering `layers` at every position of prompt + output but the last, (positions,
+    len(layers), hidden): what its passes hand a trained head over a request. One pass over the text in chunks, on
+    a cache of its own; row-invariant kernels compute each row as the engine's passes did, whatever the rows beside
+    it."""
+    tokens = [*prompt_ids, *output_ids[:-1]]
+    cache = model.new_cache(1, max(len(tokens), 1))
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(tokens), CHUNK):
+            chunk = tokens[start : start + CHUNK]
+            rows = torch.arange(len(chunk))
+            _, f = model.forward_features(
+                cache,
+                torch.tensor(chunk),
+                torch.arange(start, start + len(chunk)),
+                torch.zeros(len(chunk), dtype=torch.long),
+                rows[-1:],
+                layers,
+                rows,
+            )
+            out.append(f)
+    return torch.cat(out)
 
 
 def can_guess(drafter: Drafter) -> bool:
