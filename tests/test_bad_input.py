@@ -177,6 +177,32 @@ def test_cli_generate_with_stats_on_a_tiny_model(tiny_dir):
 
 
 def test_cli_json_output(tiny_dir):
-    proc = run_cli("generate", "abc", "--model", str(tiny_dir), "--raw", "--max-new-tokens", "5", "--json")
+    # --max-tokens, as evaluate, predict and the OpenAI API spell it (--max-new-tokens is the same flag)
+    proc = run_cli("generate", "abc", "--model", str(tiny_dir), "--raw", "--max-tokens", "5", "--json")
     result = json.loads(proc.stdout)
     assert result["stats"]["generated_tokens"] <= 5 and result["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["generate", "hi", "--tempreature", "0.5"], "--tempreature is not an option of `specwise generate` (did you "
+         "mean --temperature?); its options: `specwise generate --help`"),
+        (["evaluate", "--max-new-tokens", "5"], "--max-new-tokens is not an option of `specwise evaluate` (did you "
+         "mean --max-tokens?)"),
+        (["generate", "--max_new_tokens", "3", "hi"], "(did you mean --max-new-tokens or --max-tokens?)"),
+        (["serve", "--bogus=1"], "--bogus is not an option of `specwise serve`; its options: `specwise serve --help`"),
+        (["generate", "hello", "world"], "`specwise generate` does not take 'world' (a value with spaces needs "
+         "quotes)"),
+    ],
+)  # fmt: skip
+def test_cli_names_an_unknown_flag_and_the_one_it_probably_meant(argv, needle, capsys):
+    """argparse alone says "unrecognized arguments" and lists the words; the error names the flag the subcommand
+    does not have, the nearest one it has, and where its options are listed — and nothing runs."""
+    from specwise.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and needle in err, err
+    assert "unrecognized arguments" not in err and "Traceback" not in err

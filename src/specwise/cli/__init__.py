@@ -4,6 +4,7 @@ lazily, so `--help` stays fast."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from specwise import __version__
@@ -52,9 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unexpected(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> str:
+    """What argparse's "unrecognized arguments" leaves unsaid: which flags the subcommand does not have, the one it
+    probably meant (evaluate's --max-tokens typed to another command, an underscore for a dash), and where its
+    options are listed. Words after an unknown flag are its value as often as not: named only when no flag is."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = sorted(o for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--"))
+    flags = [w.split("=", 1)[0] for w in extras if w.startswith("-")]
+    said = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag.replace("_", "-"), options, n=2, cutoff=0.75)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        said.append(f"{flag} is not an option of `specwise {command}`{hint}")
+    if not flags:
+        words = " ".join(repr(w) for w in extras)
+        said.append(f"`specwise {command}` does not take {words} (a value with spaces needs quotes)")
+    return f"specwise {command}: error: " + "; ".join(said) + f"; its options: `specwise {command} --help`\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.exit(2, unexpected(parser, args.command, extras))
     try:
         return args.func(args)
     except SpecwiseError as exc:

@@ -23,7 +23,14 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--drafter", type=drafter_arg, help=f"{DRAFTER_HELP}, or none (the default: the baseline)")
     p.add_argument("--k", type=k_arg, default=4, help=f"draft length 1..{K_MAX}, or 'auto' (adaptive); default 4")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-tokens",
+        "--max-new-tokens",
+        dest="max_new_tokens",
+        type=int,
+        default=128,
+        help="tokens to generate at most (default 128); --max-new-tokens is the same",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
