@@ -197,6 +197,7 @@ def test_the_small_model_drafts_for_the_big_one_without_changing_a_token(pair):
         for k in (1, 4, "auto"):
             engine = Engine(target, drafter=f"model:{PAIR[1]}", k=k, max_batch=3)
             assert [d.vocab.size for d in engine.drafters.values()] == [32768]
+            assert list(engine.drafters) == [f"model:{PAIR[1]}"]  # named as typed: what a request asks for by name
             batch = engine.generate(prompts, params)
             assert [r.token_ids for r in batch] == plain, (k, params.temperature)
             if k != "auto":  # adaptive k may keep drafting off in a batch of 3 (measured costs): exact either way

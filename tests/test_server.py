@@ -888,3 +888,17 @@ def test_bad_serve_flags(tiny_dir, args, needle):
 
     proc = cli("serve", "--model", tiny_dir, *args, check=False, timeout=120)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_serve_answers_to_the_model_name_it_was_started_with():
+    """`specwise serve --model qwen2.5-coder-1.5b` serves `qwen2.5-coder-1.5b` (it served the file's name, so the
+    client's request for the name the user had typed got a 404); a path serves its file's name; an explicit
+    --served-model-name wins."""
+    from specwise.cli.serve import served_name
+
+    file = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert served_name("qwen2.5-coder-1.5b", None, file) == "qwen2.5-coder-1.5b"
+    assert served_name("Qwen2.5-Coder-1.5B", None, file) == "qwen2.5-coder-1.5b"  # names are case-insensitive
+    assert served_name(f"/models/{file}", None, file) == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    assert served_name(None, None, "SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_name("qwen2.5-coder-1.5b", "coder", file) == "coder"

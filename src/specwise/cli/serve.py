@@ -10,7 +10,7 @@ import sys
 
 from specwise.cli.common import drafter_arg, k_arg, precision_flags, target_options
 from specwise.errors import SpecwiseError
-from specwise.models import MODEL_HELP
+from specwise.models import MODEL_HELP, lookup
 from specwise.specs import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
@@ -29,7 +29,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     """This subcommand and its flags."""
     p = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching, load-aware speculation")
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
+    p.add_argument(
+        "--served-model-name",
+        help="the name clients send as `model` (default: the name --model gave, e.g. qwen2.5-coder-1.5b, else the "
+        "model file's name)",
+    )
     p.add_argument(
         "--drafter", type=drafter_arg, help=f"default drafter: {DRAFTER_HELP}, or none (the default: plain decoding)"
     )
@@ -135,6 +139,15 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def served_name(model: str | None, told: str | None, file_name: str) -> str:
+    """The name clients send as `model`: --served-model-name, else the registry name --model gave (a user who started
+    `serve --model qwen2.5-coder-1.5b` asks for that name), else the model file's name without `.gguf`."""
+    if told:
+        return told
+    entry = lookup(model) if model else None
+    return entry.name if entry is not None else file_name.removesuffix(".gguf")
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every flag before the model loads, then load it, start the scheduler thread and serve until
     interrupted. The engine, the web stack and the monitor's parts a flag asks for are imported late."""
@@ -197,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for spec in drafters:
         engine.add_drafter(spec)
-    name = args.served_model_name or target.identity.name.removesuffix(".gguf")
+    name = served_name(args.model, args.served_model_name, target.identity.name)
     state = ServerState.build(
         engine, name, policy, args.max_queue, keys, args.admin_key, suffix_history=args.suffix_history
     )
