@@ -359,6 +359,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         target_features,
     )
     from specwise.harness.backends import WARM_UP
+    from specwise.harness.engine_backend import phase_history
     from specwise.harness.evaluate import engine_batch, workload_from
     from specwise.harness.predict import Replay
     from specwise.harness.provenance import Target
@@ -390,6 +391,10 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             )
     load_order = {ld.name: i for i, ld in enumerate(plan.loads)}
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
+
+    def history(r) -> str:  # a load and repeat has a suffix history of its own, as in the evaluation
+        return phase_history(r.load, r.repeat)
+
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
     fixed = [k for k in ks if isinstance(k, int)]
@@ -445,7 +450,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             for r in ordered:
                 assert r.tokens is not None
                 fixed_rule = DraftRule(k, limits[r.task_id], engine.max_len)
-                out = replay(drafter, prompts[r.task_id], r.tokens, fixed_rule, features=features.get(r.key))
+                out = replay(
+                    drafter, prompts[r.task_id], r.tokens, fixed_rule, features=features.get(r.key), tenant=history(r)
+                )
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
         if layers:  # the head drafts between the target's passes, on caches they flushed: timed as it runs there
             cold = _head_in_a_run(target, spec, engine, [(tasks[r.task_id].request, r) for r in ordered[:2]])
@@ -494,7 +501,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                     guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
                 )
             else:
-                out = replay(auto_drafter, prompts[r.task_id], r.tokens, rule, features=features.get(r.key))
+                out = replay(
+                    auto_drafter, prompts[r.task_id], r.tokens, rule, features=features.get(r.key), tenant=history(r)
+                )
                 if layers and rule.rows == 1:
                     out.counts.drafting_time *= cold
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.catch_up))

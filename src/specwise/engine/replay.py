@@ -151,12 +151,14 @@ def replay(
     slot: int = 0,
     history: bool = True,
     features: torch.Tensor | None = None,
+    tenant: str = "",
 ) -> Replayed:
     """`walk` asking `drafter` at every step (timed); the drafter's slot is released at the end, as the engine does
     when a request finishes (so a suffix drafter's history grows as it would have). A drafter that reads the
     target's hidden states (a trained head) is handed `features` (`target_features`) of what is committed before
-    each step, as the engine hands it the rows its passes commit."""
-    view = ReplayView(slot, list(prompt_ids), len(prompt_ids), history=history)
+    each step, as the engine hands it the rows its passes commit. `tenant`: whose history the request drafts from
+    and joins, as the engine's `RequestOptions.tenant`."""
+    view = ReplayView(slot, list(prompt_ids), len(prompt_ids), history=history, tenant=tenant)
     paid = [0.0]  # a draft model's catching up alone (`ModelDrafter.one_off_seconds`)
     handed = [0]  # positions whose features the drafter holds
     reader = getattr(drafter, "observe_features", None)

@@ -17,6 +17,15 @@ from specwise.harness.store import Record
 from specwise.specs import DEFAULT_MAX_BATCH, HARNESS_MAX_LEN, VERIFY_METHODS, TargetOptions
 
 
+def phase_history(load: str, repeat: int) -> str:
+    """Whose cross-request history (suffix drafting) a request of this load and repeat drafts from and adds to: its
+    own, so that the other repeats and loads — the same tasks again, whose outputs a suffix drafter would copy
+    whole — are not in it (with one history the second repeat's questions ran 1.68x where the first ran 1.15x).
+    Within a load and repeat each task runs once and the later ones meet the earlier ones' outputs, as traffic
+    does. The replay in `specwise predict` keeps the same histories."""
+    return f"{load}#{repeat}"
+
+
 class EngineBackend:
     """Runs configurations on the in-process engine; one target load, one engine per configuration."""
 
@@ -86,6 +95,7 @@ class EngineBackend:
     def run(self, work: PhaseWork) -> Phase:
         """Run one phase on this configuration's engine, stepping it on this thread."""
         from specwise.engine import SamplingParams
+        from specwise.engine.request import RequestOptions
 
         config, load = work.config, work.load
         engine = self.engines[config]
@@ -94,9 +104,10 @@ class EngineBackend:
 
         def submit(req: Request) -> None:
             params = SamplingParams(max_new_tokens=req.max_tokens, temperature=self.temperature, seed=req.seed)
+            options = RequestOptions(tenant=phase_history(load.name, req.repeat))
             now = time.perf_counter()
             try:
-                live[engine.submit(req.prompt, params)] = InFlight(req, now, [])
+                live[engine.submit(req.prompt, params, options)] = InFlight(req, now, [])
             except SpecwiseError as exc:
                 refused.append(
                     Record(config, load.name, req.task_id, req.repeat, req.groups, req.seed, now, now, error=str(exc))
