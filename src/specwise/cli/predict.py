@@ -392,9 +392,6 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     load_order = {ld.name: i for i, ld in enumerate(plan.loads)}
     ordered = sorted(records, key=lambda r: (load_order[r.load], r.finished))  # the order a drafter saw them end
 
-    def history(r) -> str:  # a load and repeat has a suffix history of its own, as in the evaluation
-        return phase_history(r.load, r.repeat)
-
     limits = dict(plan.tasks)  # each task's output limit as the run set it (--max-tokens included)
     replays = []
     fixed = [k for k in ks if isinstance(k, int)]
@@ -451,7 +448,12 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 assert r.tokens is not None
                 fixed_rule = DraftRule(k, limits[r.task_id], engine.max_len)
                 out = replay(
-                    drafter, prompts[r.task_id], r.tokens, fixed_rule, features=features.get(r.key), tenant=history(r)
+                    drafter,
+                    prompts[r.task_id],
+                    r.tokens,
+                    fixed_rule,
+                    features=features.get(r.key),
+                    tenant=phase_history(r.load, r.repeat),
                 )
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
         if layers:  # the head drafts between the target's passes, on caches they flushed: timed as it runs there
@@ -502,7 +504,12 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 )
             else:
                 out = replay(
-                    auto_drafter, prompts[r.task_id], r.tokens, rule, features=features.get(r.key), tenant=history(r)
+                    auto_drafter,
+                    prompts[r.task_id],
+                    r.tokens,
+                    rule,
+                    features=features.get(r.key),
+                    tenant=phase_history(r.load, r.repeat),
                 )
                 if layers and rule.rows == 1:
                     out.counts.drafting_time *= cold

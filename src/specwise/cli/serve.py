@@ -10,7 +10,7 @@ import sys
 
 from specwise.cli.common import drafter_arg, k_arg, precision_flags, target_options
 from specwise.errors import SpecwiseError
-from specwise.models import MODEL_HELP, lookup
+from specwise.models import MODEL_HELP, named
 from specwise.specs import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
@@ -142,10 +142,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def served_name(model: str | None, told: str | None, file_name: str) -> str:
     """The name clients send as `model`: --served-model-name, else the registry name --model gave (a user who started
     `serve --model qwen2.5-coder-1.5b` asks for that name), else the model file's name without `.gguf`."""
-    if told:
-        return told
-    entry = lookup(model) if model else None
-    return entry.name if entry is not None else file_name.removesuffix(".gguf")
+    return told or named(model, file_name.removesuffix(".gguf"))
 
 
 def run(args: argparse.Namespace) -> int:

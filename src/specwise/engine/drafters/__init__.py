@@ -106,8 +106,7 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
             if not isinstance(model, NativeDecoder):
                 raise SpecwiseError(f"model:{arg}: a reduced draft vocabulary needs the draft on the CPU kernels")
             model = DraftVocab(model, size, draft.tokenizer.special_ids())
-        named = models.lookup(path) is not None  # a registry name is what the user typed and what requests ask for
-        label = path.strip().lower() if named else draft.identity.name
+        label = models.named(path, draft.identity.name)  # requests choose drafters by name: the one typed
         return ModelDrafter(model, f"model:{label}{told}", num_slots, cache_len, extra, draft.identity)
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
 
