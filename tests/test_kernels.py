@@ -26,7 +26,6 @@ ZEN3 = frozenset(
     | {"xsave"}
 )
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
-SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"}
 
 
 def kscaled(fmt: str, n: int, k: int, g: torch.Generator, bias=None):
@@ -206,8 +205,6 @@ def test_quantisers_stay_within_half_a_step():
 def test_auto_takes_the_widest_variant_the_cpu_has():
     assert K.runnable(ZEN3, "x86_64") == ["generic", "avx2"]
     assert K.runnable(ZEN4, "x86_64") == ["generic", "avx2", "avx512"]
-    assert K.runnable(SAPPHIRE_RAPIDS, "x86_64") == ["generic", "avx2", "avx512", "amx"]
-    assert K.missing_features("amx", ZEN4, "x86_64") == ["amx_tile", "amx_int8"]
     assert K.runnable(frozenset({"sse2", "avx"}), "x86_64") == ["generic"]
     assert K.runnable(frozenset({"asimd", "asimddp"}), "aarch64") == ["generic", "neon"]
     assert K.missing_features("avx512", ZEN3, "x86_64") == ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
@@ -224,21 +221,8 @@ def test_a_variant_the_cpu_lacks_is_refused_with_what_it_lacks(monkeypatch):
     with pytest.raises(SpecwiseError, match="variants it can run: auto, generic, avx2"):
         K.library()
     monkeypatch.setenv("SPECWISE_KERNELS", "sse9")
-    with pytest.raises(SpecwiseError, match=r"not a kernel variant \(allowed: auto, generic, avx2, avx512, amx, neon"):
+    with pytest.raises(SpecwiseError, match=r"not a kernel variant \(allowed: auto, generic, avx2, avx512, neon"):
         K.choose()
-
-
-def test_amx_needs_the_operating_systems_permission_as_well_as_the_cpus_flags(monkeypatch):
-    """A CPU with AMX in a kernel (or VM) that will not hand a process the tile state runs avx512, and forcing amx
-    there says why: the flags alone would let auto pick a library whose tiles it could not use."""
-    monkeypatch.setattr(K, "cpu_features", lambda: SAPPHIRE_RAPIDS)
-    monkeypatch.setattr(K, "_arch", lambda: "x86_64")
-    monkeypatch.setattr(K, "_amx_permitted", lambda: False)
-    assert K.runnable() == ["generic", "avx2", "avx512"] and K.choose("auto") == "avx512"
-    with pytest.raises(SpecwiseError, match=r"cannot run the amx kernels \(it lacks the kernel's permission"):
-        K.choose("amx")
-    monkeypatch.setattr(K, "_amx_permitted", lambda: True)
-    assert K.choose("auto") == "amx"
 
 
 def test_forcing_a_variant_this_cpu_cannot_run_is_an_error_not_a_crash(tiny_dir):

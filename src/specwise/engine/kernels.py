@@ -3,8 +3,8 @@
 A library is the shared parts (csrc/pool.c, linear.c, attention.c, decoder.c, on the vector primitives of
 csrc/simd.h) plus one csrc/gemm_<variant>.c (csrc/kernels.h states the contract they keep and the weights' block
 layouts), compiled with the system C compiler into the cache and loaded with ctypes. Which variant
-runs is decided here and only here (`choose`): `$SPECWISE_KERNELS` = auto | generic | avx2 | avx512 | amx | neon,
-auto taking the widest one this CPU has (amx: avx512 with its integer sums of 4+ rows on AMX tiles); a variant the CPU cannot execute is refused with the features it lacks (never
+runs is decided here and only here (`choose`): `$SPECWISE_KERNELS` = auto | generic | avx2 | avx512 | neon, auto
+taking the widest one this CPU has; a variant the CPU cannot execute is refused with the features it lacks (never
 a SIGILL). Every variant computes the same bits (kernels.h), so the variant is provenance, not part of a target's
 identity. The library runs its parallel sections on a small thread pool of its own (as many threads as torch is
 set to use: `pool_threads`). Weights are packed here into the block layouts; `PackedLinear` keeps the tensors
@@ -37,7 +37,7 @@ from specwise.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
 ABI = 10
-VARIANTS = ("generic", "avx2", "avx512", "amx", "neon")
+VARIANTS = ("generic", "avx2", "avx512", "neon")
 COMMON_FLAGS = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
 # What each variant needs of the CPU (Linux /proc/cpuinfo names): x86-64-v3 and -v4 as the compilers define them.
 X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
@@ -45,8 +45,6 @@ REQUIRES = {
     "avx2": X86_V3,
     "avx512": (*X86_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
 }
-REQUIRES["amx"] = (*REQUIRES["avx512"], "avx512_vnni", "amx_tile", "amx_int8")
-AMX_PERMISSION = "the kernel's permission to use AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)"
 F32, BF16, Q8, Q4, Q5, Q6 = 0, 1, 2, 3, 4, 5
 FORMAT_NAMES = {F32: "f32", BF16: "bf16", Q8: "q8", Q4: "q4", Q5: "q5", Q6: "q6"}
 INTEGER = (Q8, Q4, Q5, Q6)  # the formats of stored integers (the int8-activation path applies)
@@ -217,7 +215,6 @@ def _arch() -> str:
 
 def missing_features(variant: str, features: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
     """What this CPU lacks to run `variant` (empty: it can)."""
-    this_cpu = features is None
     features = cpu_features() if features is None else features
     arch = arch or _arch()
     if variant == "generic":
@@ -226,21 +223,7 @@ def missing_features(variant: str, features: frozenset[str] | None = None, arch:
         return [] if arch == "aarch64" else ["aarch64"]
     if arch != "x86_64":
         return ["x86_64"]
-    lacking = [f for f in REQUIRES[variant] if f not in features]
-    if variant == "amx" and not lacking and this_cpu and not _amx_permitted():
-        lacking.append(AMX_PERMISSION)
-    return lacking
-
-
-@functools.cache
-def _amx_permitted() -> bool:
-    """Whether Linux gives this process the AMX tile state (it must be asked for once per process; a kernel
-    before 5.16 or a VM without it refuses): the amx library asks again itself, and without it keeps to AVX-512."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    except (OSError, AttributeError):
-        return False
+    return [f for f in REQUIRES[variant] if f not in features]
 
 
 def runnable(features: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
@@ -288,8 +271,6 @@ def flags(variant: str, features: frozenset[str] | None = None) -> list[str]:
         return ["-march=x86-64-v3"]
     if variant == "avx512":
         return ["-march=x86-64-v4", *(["-mavx512vnni"] if "avx512_vnni" in features else [])]
-    if variant == "amx":  # gemm_avx512.c with its AMX tiles compiled in
-        return ["-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
     if variant == "neon":
         return ["-march=armv8.2-a+dotprod"] if "asimddp" in features else ["-march=armv8-a"]
     # generic: portable C only (SW_PORTABLE), for the architecture's baseline, with hardware fused multiply-adds
@@ -304,7 +285,7 @@ SHARED_SOURCES = ("pool.c", "linear.c", "attention.c", "decoder.c")  # every var
 
 def sources(variant: str) -> list[Path]:
     """The C files of a variant's library: the shared parts and the variant's products."""
-    return [*(CSRC / name for name in SHARED_SOURCES), CSRC / f"gemm_{'avx512' if variant == 'amx' else variant}.c"]
+    return [*(CSRC / name for name in SHARED_SOURCES), CSRC / f"gemm_{variant}.c"]
 
 
 def _compiler() -> str | None:

@@ -13,14 +13,10 @@
 
 #include "kernels.h"
 
-#if defined(__AMX_INT8__)
-const char* sw_variant(void) { return "amx"; }
-const char* sw_variant_detail(void) { return "amx (x86-64-v4, VNNI, AMX-INT8 tiles from 4 rows)"; }
-#elif defined(__AVX512VNNI__)
 const char* sw_variant(void) { return "avx512"; }
+#if defined(__AVX512VNNI__)
 const char* sw_variant_detail(void) { return "avx512 (x86-64-v4, VNNI)"; }
 #else
-const char* sw_variant(void) { return "avx512"; }
 const char* sw_variant_detail(void) { return "avx512 (x86-64-v4, no VNNI)"; }
 #endif
 
@@ -105,56 +101,6 @@ static inline __attribute__((always_inline)) __m512i bcast4(const int8_t* p) { /
   return _mm512_set1_epi32(v);
 }
 
-/* One row's integer sums of 32-block kb (s0: columns 0-15, s1: 16-31) into its fp32 accumulators a0, a1:
- * a = fma((float) isum, dw·dx, a), then, for a format with mins (m0, m1 not NULL), a = fma(mw, sx, a). */
-static inline __attribute__((always_inline)) void sum_block(__m512* a0, __m512* a1, __m512i s0, __m512i s1, __m512 d0,
-                                                            __m512 d1, const __m512* m0, const __m512* m1,
-                                                            const sw_qrows* X, int r, int kb) {
-  const size_t at = (size_t)r * (X->K / 32) + kb;
-  const __m512 dx = _mm512_set1_ps(X->d[at]);
-  *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, dx), *a0);
-  *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, dx), *a1);
-  if (m0) {
-    const __m512 sx = _mm512_set1_ps(X->s[at]);
-    *a0 = _mm512_fmadd_ps(*m0, sx, *a0);
-    *a1 = _mm512_fmadd_ps(*m1, sx, *a1);
-  }
-}
-
-/* Q6: one row's sums Σq·x of 16-half h of 32-block kb into its accumulators, sc · (Σq·x − 32·Σx) (sc0, sc1 the
- * half's integer sub-scales as fp32, exact products below 2^24). */
-static inline __attribute__((always_inline)) void sum_half(__m512* a0, __m512* a1, __m512i s0, __m512i s1, __m512 sc0,
-                                                           __m512 sc1, __m512 d0, __m512 d1, const sw_qrows* X, int r,
-                                                           int kb, int h) {
-  const size_t at = (size_t)r * (X->K / 32) + kb;
-  const int32_t first = X->half[at];
-  const __m512i off = _mm512_set1_epi32(32 * (h ? X->sum[at] - first : first));
-  const __m512 dx = _mm512_set1_ps(X->d[at]);
-  const __m512 i0 = _mm512_mul_ps(sc0, _mm512_cvtepi32_ps(_mm512_sub_epi32(s0, off)));
-  const __m512 i1 = _mm512_mul_ps(sc1, _mm512_cvtepi32_ps(_mm512_sub_epi32(s1, off)));
-  *a0 = _mm512_fmadd_ps(i0, _mm512_mul_ps(d0, dx), *a0);
-  *a1 = _mm512_fmadd_ps(i1, _mm512_mul_ps(d1, dx), *a1);
-}
-
-/* The same with the accumulators in memory (acc[0..31]): the vector path keeps its registers for the sums. */
-static inline __attribute__((always_inline)) void take_block(float* acc, __m512i s0, __m512i s1, __m512 d0, __m512 d1,
-                                                             const __m512* m0, const __m512* m1, const sw_qrows* X,
-                                                             int r, int kb) {
-  __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16);
-  sum_block(&a0, &a1, s0, s1, d0, d1, m0, m1, X, r, kb);
-  _mm512_storeu_ps(acc, a0);
-  _mm512_storeu_ps(acc + 16, a1);
-}
-
-static inline __attribute__((always_inline)) void take_half(float* acc, __m512i s0, __m512i s1, __m512 sc0, __m512 sc1,
-                                                            __m512 d0, __m512 d1, const sw_qrows* X, int r, int kb,
-                                                            int h) {
-  __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16);
-  sum_half(&a0, &a1, s0, s1, sc0, sc1, d0, d1, X, r, kb, h);
-  _mm512_storeu_ps(acc, a0);
-  _mm512_storeu_ps(acc + 16, a1);
-}
-
 /* Σ over groups of u8 × s8 products into int32 lanes: VNNI's one instruction, or its two-step equivalent (int16
  * pairs cannot saturate here: Q4's nibbles are at most 15, Q8's offset weights go through the sign path). */
 #if defined(__AVX512VNNI__)
@@ -219,7 +165,14 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
         const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
         #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-          take_half(acc + r * 32, s[r][0], s[r][1], sc0, sc1, d0, d1, X, r, kb, h);
+          const int32_t first = X->half[(size_t)r * KB + kb];
+          const __m512i off = _mm512_set1_epi32(32 * (h ? X->sum[(size_t)r * KB + kb] - first : first));
+          const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
+          const __m512 i0 = _mm512_mul_ps(sc0, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][0], off)));
+          const __m512 i1 = _mm512_mul_ps(sc1, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][1], off)));
+          _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(i0, _mm512_mul_ps(d0, dx), _mm512_loadu_ps(acc + r * 32)));
+          _mm512_storeu_ps(acc + r * 32 + 16,
+                           _mm512_fmadd_ps(i1, _mm512_mul_ps(d1, dx), _mm512_loadu_ps(acc + r * 32 + 16)));
           s[r][0] = s[r][1] = _mm512_setzero_si512();
         }
       }
@@ -228,7 +181,13 @@ static inline __attribute__((always_inline)) void qn_rows(const sw_linear* L, in
     const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
     const __m512 m0 = scales16(L, 1, blk, kb, 0), m1 = scales16(L, 1, blk, kb, 16);
     #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) take_block(acc + r * 32, s[r][0], s[r][1], d0, d1, &m0, &m1, X, r, kb);
+    for (int r = 0; r < R; r++) {
+      const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]), sx = _mm512_set1_ps(X->s[(size_t)r * KB + kb]);
+      const __m512 a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx), _mm512_loadu_ps(acc + r * 32));
+      const __m512 a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx), _mm512_loadu_ps(acc + r * 32 + 16));
+      _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(m0, sx, a0));
+      _mm512_storeu_ps(acc + r * 32 + 16, _mm512_fmadd_ps(m1, sx, a1));
+    }
   }
 }
 
@@ -297,228 +256,23 @@ static inline __attribute__((always_inline)) void q8_rows(const sw_linear* L, in
     const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
+      const __m512 dx = _mm512_set1_ps(X->d[(size_t)r * KB + kb]);
 #if defined(__AVX512VNNI__)
       const __m512i off = _mm512_set1_epi32(128 * X->sum[(size_t)r * KB + kb]);
       s[r][0] = _mm512_sub_epi32(s[r][0], off);
       s[r][1] = _mm512_sub_epi32(s[r][1], off);
 #endif
-      take_block(acc + r * 32, s[r][0], s[r][1], d0, d1, NULL, NULL, X, r, kb);
+      _mm512_storeu_ps(acc + r * 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(d0, dx),
+                                                     _mm512_loadu_ps(acc + r * 32)));
+      _mm512_storeu_ps(acc + r * 32 + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(d1, dx),
+                                                          _mm512_loadu_ps(acc + r * 32 + 16)));
     }
   }
 }
 
-#if defined(__AMX_INT8__)
-/* ------------------------------------------------------------------------- AMX: the integer sums in tiles
- *
- * The amx variant is this file built with AMX-INT8: a tile of R ≥ AMX_MIN_ROWS rows takes each 32-block's integer
- * sums from the tile unit (tdpbsud: signed activations × unsigned Q4/Q5/Q6 values, tdpbssd: × signed Q8 weights),
- * R rows × 16 columns in one instruction, and the fp32 epilogue from the same take_block/take_half as above. The
- * integers are the same exact sums, so the results are the avx512 variant's bit for bit. The weights' 4-input
- * groups are already the B tile's rows (16 columns × 4 bytes); Q4/Q5/Q6 are unpacked into a small buffer first,
- * Q8 is loaded as stored. Linux gives a process the tile state only on request (arch_prctl); refused, the kernel
- * keeps to the vector path. */
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#ifndef AMX_DU
-#define AMX_DU 2 /* blocks unpacked ahead of the epilogue */
-#endif
-#ifndef AMX_DS
-#define AMX_DS 1 /* blocks summed ahead of the epilogue (< AMX_DU) */
-#endif
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 4
-#endif
-#define AMX_ROWS 12 /* the most rows a tile takes: their fp32 accumulators in 24 registers */
-
-typedef struct {
-  uint8_t palette, start;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} amx_config;
-
-static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
-
-static int amx_granted(void) {
-  int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-  if (!state) {
-    state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
-  }
-  return state > 0;
-}
-
-/* Tiles for R rows: 0 a 32-block's activations, 1-2 its weights (columns 0-15, 16-31), 3-4 their sums; 5-7 the
- * same for a 16-half (Q6). Loaded on every call: another library on the calling thread may have configured its own. */
-static inline void amx_configure(int R) {
-  amx_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  c.rows[0] = (uint8_t)R, c.colsb[0] = 32;
-  c.rows[1] = c.rows[2] = 8, c.colsb[1] = c.colsb[2] = 64;
-  c.rows[3] = c.rows[4] = (uint8_t)R, c.colsb[3] = c.colsb[4] = 64;
-  c.rows[5] = (uint8_t)R, c.colsb[5] = 16;
-  c.rows[6] = c.rows[7] = 4, c.colsb[6] = c.colsb[7] = 64;
-  _tile_loadconfig(&c);
-}
-
-/* Block kb's values of a Q4/Q5/Q6 column block into b (columns 0-15, 16-31: the B tiles' rows). */
-static inline __attribute__((always_inline)) void unpack_block(const uint8_t* W, const uint8_t* H, int kb,
-                                                               uint8_t b[2][8][64], const int BITS) {
-  const __m512i nib = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16), b32 = _mm512_set1_epi8(32);
-  const uint8_t* wb = W + (size_t)kb * 8 * 64;
-  const uint8_t* hb = BITS > 4 ? H + (size_t)kb * (BITS == 5 ? 128 : 256) : NULL;
-  #pragma GCC unroll 8
-  for (int g = 0; g < 8; g++) {
-    _mm_prefetch((const char*)(wb + g * 64 + PF_DIST), _MM_HINT_T0);
-    const __m512i raw = _mm512_loadu_si512((const void*)(wb + g * 64));
-    __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-    if (BITS > 4) {
-      const __m512i bit = _mm512_set1_epi8((char)(1 << g));
-      lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)hb), bit), lo, b16);
-      hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 64)), bit), hi, b16);
-      if (BITS == 6) {
-        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 128)), bit), lo, b32);
-        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)(hb + 192)), bit), hi, b32);
-      }
-    }
-    _mm512_store_si512((void*)b[0][g], lo);
-    _mm512_store_si512((void*)b[1][g], hi);
-  }
-}
-
-/* The integer sums of block kb (Q6: of its 16-half h) into c: rows × columns 0-15 and 16-31. */
-static inline __attribute__((always_inline)) void sums_block(const int8_t* xq, int K, uint8_t b[2][8][64],
-                                                             int32_t (*c)[32], const int BITS) {
-  if (BITS == 6) {
-    for (int h = 0; h < 2; h++) {
-      _tile_loadd(5, xq + h * 16, K);
-      _tile_loadd(6, b[0][4 * h], 64);
-      _tile_loadd(7, b[1][4 * h], 64);
-      _tile_zero(3);
-      _tile_zero(4);
-      _tile_dpbsud(3, 5, 6);
-      _tile_dpbsud(4, 5, 7);
-      _tile_stored(3, c + h * AMX_ROWS, 128);
-      _tile_stored(4, &c[h * AMX_ROWS][16], 128);
-    }
-    return;
-  }
-  _tile_loadd(0, xq, K);
-  _tile_loadd(1, b[0], 64);
-  _tile_loadd(2, b[1], 64);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_dpbsud(3, 0, 1);
-  _tile_dpbsud(4, 0, 2);
-  _tile_stored(3, c, 128);
-  _tile_stored(4, &c[0][16], 128);
-}
-
-/* Pipelined by a block: unpack block kb + 2, the tile unit's sums of kb + 1, the epilogue of kb, each reading what
- * an earlier iteration wrote to memory, so the vector work and the tile unit's overlap. */
-static inline __attribute__((always_inline)) void qn_amx(const sw_linear* L, int blk, const sw_qrows* X,
-                                                         float* restrict out, const int R, const int BITS) {
-  const int K = L->k, KB = K / 32;
-  const uint8_t* W = (const uint8_t*)L->w + (size_t)blk * (K / 4) * 64;
-  const uint8_t* H = BITS > 4 ? (const uint8_t*)L->h + (size_t)blk * KB * (BITS == 5 ? 128 : 256) : NULL;
-  uint8_t b[AMX_DU + 1][2][8][64] __attribute__((aligned(64)));         /* values of blocks kb % (DU + 1) */
-  int32_t c[AMX_DS + 1][2 * AMX_ROWS][32] __attribute__((aligned(64)));  /* sums of blocks kb % (DS + 1) */
-  __m512 a[AMX_ROWS][2];
-  amx_configure(R);
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  for (int j = 0; j < AMX_DU && j < KB; j++) unpack_block(W, H, j, b[j], BITS);
-  for (int j = 0; j < AMX_DS && j < KB; j++) sums_block(X->q + (size_t)j * 32, K, b[j % (AMX_DU + 1)], c[j], BITS);
-  for (int kb = 0; kb < KB; kb++) {
-    if (kb + AMX_DU < KB) unpack_block(W, H, kb + AMX_DU, b[(kb + AMX_DU) % (AMX_DU + 1)], BITS);
-    if (kb + AMX_DS < KB)
-      sums_block(X->q + (size_t)(kb + AMX_DS) * 32, K, b[(kb + AMX_DS) % (AMX_DU + 1)], c[(kb + AMX_DS) % (AMX_DS + 1)], BITS);
-    int32_t (*ck)[32] = c[kb % (AMX_DS + 1)];
-    if (BITS == 6) {
-      for (int h = 0; h < 2; h++) {
-        const __m512 sc0 = _mm512_cvtepi32_ps(subscales16(L, blk, kb, h, 0));
-        const __m512 sc1 = _mm512_cvtepi32_ps(subscales16(L, blk, kb, h, 16));
-        const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-          sum_half(&a[r][0], &a[r][1], _mm512_load_si512(ck[h * AMX_ROWS + r]),
-                   _mm512_load_si512(&ck[h * AMX_ROWS + r][16]), sc0, sc1, d0, d1, X, r, kb, h);
-      }
-      continue;
-    }
-    const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
-    const __m512 m0 = scales16(L, 1, blk, kb, 0), m1 = scales16(L, 1, blk, kb, 16);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-      sum_block(&a[r][0], &a[r][1], _mm512_load_si512(ck[r]), _mm512_load_si512(&ck[r][16]), d0, d1, &m0, &m1, X, r, kb);
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(out + r * 32, a[r][0]);
-    _mm512_storeu_ps(out + r * 32 + 16, a[r][1]);
-  }
-}
-
-/* Q8: signed weights by signed activations, the stored 4-input groups as the B tiles (rows 128 bytes apart). */
-static inline __attribute__((always_inline)) void q8_amx(const sw_linear* L, int blk, const sw_qrows* X,
-                                                         float* restrict out, const int R) {
-  const int K = L->k, KB = K / 32;
-  const int8_t* W = (const int8_t*)L->w + (size_t)blk * (K / 4) * 128;
-  int32_t c[AMX_ROWS][32] __attribute__((aligned(64)));
-  __m512 a[AMX_ROWS][2];
-  amx_configure(R);
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  for (int kb = 0; kb < KB; kb++) {
-    const int8_t* wb = W + (size_t)kb * 8 * 128;
-    for (int g = 0; g < 8; g++) {
-      _mm_prefetch((const char*)(wb + g * 128 + PF_DIST), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wb + g * 128 + 64 + PF_DIST), _MM_HINT_T0);
-    }
-    _tile_loadd(0, X->q + (size_t)kb * 32, K);
-    _tile_loadd(1, wb, 128);
-    _tile_loadd(2, wb + 64, 128);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbssd(3, 0, 1);
-    _tile_dpbssd(4, 0, 2);
-    _tile_stored(3, c, 128);
-    _tile_stored(4, &c[0][16], 128);
-    const __m512 d0 = scales16(L, 0, blk, kb, 0), d1 = scales16(L, 0, blk, kb, 16);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-      sum_block(&a[r][0], &a[r][1], _mm512_load_si512(c[r]), _mm512_load_si512(&c[r][16]), d0, d1, NULL, NULL, X, r, kb);
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(out + r * 32, a[r][0]);
-    _mm512_storeu_ps(out + r * 32 + 16, a[r][1]);
-  }
-}
-
-static inline __attribute__((always_inline)) void q4_amx(const sw_linear* L, int blk, const sw_qrows* X, float* out,
-                                                         const int R) {
-  qn_amx(L, blk, X, out, R, 4);
-}
-static inline __attribute__((always_inline)) void q5_amx(const sw_linear* L, int blk, const sw_qrows* X, float* out,
-                                                         const int R) {
-  qn_amx(L, blk, X, out, R, 5);
-}
-static inline __attribute__((always_inline)) void q6_amx(const sw_linear* L, int blk, const sw_qrows* X, float* out,
-                                                         const int R) {
-  qn_amx(L, blk, X, out, R, 6);
-}
-#endif
-
-#if defined(__AMX_INT8__)
-const int sw_int8_tile_rows = AMX_ROWS;
-#else
 const int sw_int8_tile_rows = ROWS_TILE;
-#endif
 
-static void vector_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
+void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
 #define ROWS(KERNEL)                                     \
   switch (R) {                                           \
     case 1: KERNEL(L, blk, X, out, 1); break;            \
@@ -538,34 +292,4 @@ static void vector_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, f
     default: ROWS(q8_rows); break;
   }
 #undef ROWS
-}
-
-void sw_int8_tile(const sw_linear* L, int blk, const sw_qrows* X, int R, float* out) {
-#if defined(__AMX_INT8__)
-  if (R >= AMX_MIN_ROWS && amx_granted()) {
-#define AMX_CASE(n, KERNEL) case n: KERNEL(L, blk, X, out, n); break;
-#define AMX_ROWS_OF(KERNEL)                                                                            \
-  switch (R) {                                                                                       \
-    AMX_CASE(4, KERNEL) AMX_CASE(5, KERNEL) AMX_CASE(6, KERNEL) AMX_CASE(7, KERNEL) AMX_CASE(8, KERNEL) \
-    AMX_CASE(9, KERNEL) AMX_CASE(10, KERNEL) AMX_CASE(11, KERNEL) default: KERNEL(L, blk, X, out, AMX_ROWS); break; \
-  }
-    switch (L->fmt) {
-      case SW_Q4: AMX_ROWS_OF(q4_amx); break;
-      case SW_Q5: AMX_ROWS_OF(q5_amx); break;
-      case SW_Q6: AMX_ROWS_OF(q6_amx); break;
-      default: AMX_ROWS_OF(q8_amx); break;
-    }
-#undef AMX_ROWS_OF
-#undef AMX_CASE
-    return;
-  }
-  for (int r = 0; r < R; r += ROWS_TILE) { /* refused, or too few rows: the vector path, in tiles it takes */
-    const int n = R - r < ROWS_TILE ? R - r : ROWS_TILE;
-    const size_t o = (size_t)r * (X->K / 32);
-    const sw_qrows Xr = {X->q + (size_t)r * X->K, X->d + o, X->s + o, X->sum + o, X->half + o, X->K};
-    vector_tile(L, blk, &Xr, n, out + (size_t)r * 32);
-  }
-#else
-  vector_tile(L, blk, X, R, out);
-#endif
 }
