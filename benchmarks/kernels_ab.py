@@ -6,8 +6,8 @@ on a shared 2-core VM) cancels out of the ratio.
 
 Build OLD.so from another checkout (`PYTHONPATH=/tmp/old/src python -c "from specwise.engine import kernels as K;
 print(K.library('avx512')._name)"`) or from this one with other flags (SPECWISE_KERNEL_CFLAGS="-DNAME=VALUE"); NEW.so
-defaults to this checkout's build of the variant. Both must have this checkout's ABI. Prints per pass size (1, 9, 64
-rows at --context) the medians, their ratio and the median of the paired ratios.
+defaults to this checkout's build of the variant. Both must have this checkout's ABI. Prints per pass size (--sizes,
+1, 9 and 64 rows at --context by default) the medians, their ratio and the median of the paired ratios.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--variant", default="avx512")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--sizes", default="1,9,64", help="pass sizes in rows, comma-separated")
     args = ap.parse_args()
     model = load_target(args.model, variant=args.variant).model
     ref = K.library(args.variant)
@@ -48,7 +49,7 @@ def main() -> int:
     cache = model.new_cache(1, n + 128)
     prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(0))
     model.forward_tokens(cache, prompt, torch.arange(n), torch.zeros(n, dtype=torch.int32), torch.tensor([n - 1]))
-    sizes = (1, 9, 64)
+    sizes = tuple(int(m) for m in args.sizes.split(","))
     times: dict[tuple[str, int], list[float]] = {(k, m): [] for k in libs for m in sizes}
     with serial_torch():
         for i in range(args.rounds):
