@@ -14,7 +14,7 @@ from test_evaluate import cli
 from specwise.engine import Engine, SamplingParams
 from specwise.engine.draft_length import CostModel
 from specwise.engine.drafters import make_drafter
-from specwise.engine.replay import AdaptiveRule, DraftRule, replay, walk
+from specwise.engine.replay import AdaptiveRule, DraftPassCost, DraftRule, Guesses, replay, replay_guesses, walk
 from specwise.engine.weights import embedded_model_path
 from specwise.errors import SpecwiseError
 from specwise.harness.predict import PassCosts
@@ -121,6 +121,23 @@ def test_adaptive_replay_follows_the_costs_the_engine_would_see():
     held = run(_costs(0.1), 1, catch_up=100.0)  # 51 tokens to catch up at 100 s each: never worth it
     assert held.drafted == 0
     assert run(_costs(0.1), 1, catch_up=0.001).drafted > 0
+
+
+def test_a_replayed_probe_prices_the_gap_it_feeds_as_the_engine_measures_it():
+    """Under k=auto a draft model that stopped drafting feeds the tokens since its last draft in the probe's first
+    pass (`ModelDrafter.propose`) and the engine measures that pass as the drafted token's price; replayed, a probe
+    after 8 or more plain steps costs the same pass (up to the 16 tokens fed in its stride; a longer gap is a
+    one-off catch-up, priced apart). Priced as a one-token pass, layer-skip k=auto at concurrency 1 was predicted to
+    probe on and lose 16–20% where the engine stopped drafting after its first request (0.96–0.98× measured)."""
+    output, prompt = list(range(100, 180)), list(range(40))
+    costs = CostModel(window=1)
+    costs.passes = {t: 1.0 + 0.05 * (t - 1) for t in range(1, 80)}
+    costs.draft_per_token, costs.catch_up_per_token = {"d": 0.3}, {"d": 0.001}
+    rule = AdaptiveRule(costs, "d", 0.5, 1, DraftRule(8, len(output), 4096))
+    price = DraftPassCost(0.3, 0.1)
+    out = replay_guesses(Guesses([-7] * len(output)), prompt, output, rule, price)  # a draft that is always wrong
+    assert out.counts.drafted >= 2 and out.counts.accepted == 0  # the first draft and at least one probe
+    assert price.at(8) < costs.draft_per_token["d"] <= price.at(16)
 
 
 @pytest.fixture(scope="module")

@@ -343,7 +343,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     """Load the run's target, rebuild each prompt, replay every baseline output for every k with the drafter `spec`;
     measure (or read) the pass-cost curve."""
     from specwise.engine import Engine, SamplingParams, load_target
-    from specwise.engine.draft_length import CostModel, next_prior
+    from specwise.engine.draft_length import CostModel, next_prior, recent_mean
     from specwise.engine.drafters import ModelDrafter, make_drafter
     from specwise.engine.kernels import serial_torch
     from specwise.engine.native import NativeDecoder
@@ -494,10 +494,13 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             fed = sum(g.prompt_seconds for g in guesses_of.values()) * scale
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
+        output_length: float | None = None  # the engine's moving mean of finished requests' output lengths
         for r in ordered:
             assert r.tokens is not None
             limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
-            rule = AdaptiveRule(model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit)
+            rule = AdaptiveRule(
+                model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit, output_length
+            )
             if guessing:
                 out = replay_guesses(
                     guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
@@ -515,6 +518,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                     out.counts.drafting_time *= cold
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.catch_up))
             prior = next_prior(prior, out.counts)
+            if r.finish_reason in ("stop", "length"):
+                output_length = recent_mean(output_length, r.output_tokens)
     chosen = list(dict.fromkeys(r.task_id for r in records))[:PROBES]
     probes = [(tasks[t].request, limits[t]) for t in chosen]
     batch = int(max(ld.value for ld in plan.loads if ld.kind == "concurrent"))

@@ -228,6 +228,15 @@ def repays_catch_up(
     return best > catch_up
 
 
+def remaining_tokens(limit_left: int, output_length: float | None, out: int) -> int:
+    """The tokens a row that has emitted `out` may still emit, as catch-up decisions count them: what its limit
+    leaves, or fewer where recent requests' mean `output_length` leaves fewer (at least CATCH_UP_FREE): a catch-up
+    late in a long request is rarely won back."""
+    if output_length is None:
+        return limit_left
+    return min(limit_left, max(round(output_length) - out, CATCH_UP_FREE))
+
+
 def holds_catch_up(costs: CostModel, drafter: str | None, rows: int, k_max: int, unseen: int, remaining: int) -> bool:
     """Whether a row whose drafter has `unseen` tokens to catch up on must not draft now: more than CATCH_UP_FREE
     of them, a measured price for catching up, and no draft length that could win it back (`repays_catch_up`).

@@ -24,7 +24,6 @@ import torch
 
 from specwise.engine.cache import output_size
 from specwise.engine.draft_length import (
-    CATCH_UP_FREE,
     AdaptiveK,
     CostModel,
     FixedK,
@@ -32,6 +31,7 @@ from specwise.engine.draft_length import (
     next_prior,
     plan_batch,
     recent_mean,
+    remaining_tokens,
 )
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
@@ -659,10 +659,8 @@ class Engine:
         """Zero the draft of an adaptive row whose drafter would first have to catch up on a long run of unseen
         tokens (a new prompt, the output since it last drafted) that even perfect acceptance could not win back over
         the row's remaining tokens in a batch of this size (`repays_catch_up`). Prompts being prefilled count as
-        rows: they decode beside these ones from the next pass. A row's remaining tokens are what its limit leaves,
-        or fewer where recent requests' mean output length leaves fewer (at least CATCH_UP_FREE): a catch-up late in
-        a long request is rarely won back (on the pair's code workload at concurrency 4 the tails' catch-ups were
-        most of speculation's loss)."""
+        rows: they decode beside these ones from the next pass. A row's remaining tokens are `remaining_tokens`'s
+        (on the pair's code workload at concurrency 4 the tails' catch-ups were most of speculation's loss)."""
         rows = max(len(seqs), len(self.running))
         for i, seq in enumerate(seqs):
             if ks[i] == 0 or not isinstance(seq.controller, AdaptiveK) or seq.drafter is None:
@@ -671,9 +669,7 @@ class Engine:
             if lag is None:
                 continue
             out = len(seq.output_ids)
-            remaining = seq.params.max_new_tokens - out
-            if self.output_length is not None:
-                remaining = min(remaining, max(round(self.output_length) - out, CATCH_UP_FREE))
+            remaining = remaining_tokens(seq.params.max_new_tokens - out, self.output_length, out)
             if holds_catch_up(self.costs, seq.drafter, rows, seq.controller.k_max, lag(seq), remaining):
                 ks[i] = 0
 

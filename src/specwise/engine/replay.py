@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specwise.engine.draft_length import CATCH_UP_FREE, AdaptiveK, CostModel, holds_catch_up, plan_batch
+from specwise.engine.draft_length import (
+    CATCH_UP_FREE,
+    AdaptiveK,
+    CostModel,
+    holds_catch_up,
+    plan_batch,
+    remaining_tokens,
+)
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Drafter
 from specwise.engine.drafters.draft_model import GUESS_NGRAM, ModelDrafter
@@ -94,14 +101,17 @@ class AdaptiveRule:
         prior_alpha: float,
         rows: int,
         limit: DraftRule,
+        output_length: float | None = None,
     ):
         self.costs, self.drafter, self.rows, self.limit = costs, drafter, max(rows, 1), limit
         self.controller = AdaptiveK(costs, limit.k, prior_alpha=prior_alpha, drafter=drafter)
         self.fed = 0  # tokens of prompt + output the drafter's cache holds
+        self.output_length = output_length  # the engine's moving mean of earlier requests' output lengths
 
     def room(self, prompt_len: int, p: int) -> int:
         k = min(self.controller.choose(), self.limit.room(prompt_len, p))
-        unseen, remaining = prompt_len + p - self.fed, self.limit.max_new_tokens - p
+        unseen = prompt_len + p - self.fed
+        remaining = remaining_tokens(self.limit.max_new_tokens - p, self.output_length, p)
         if k and holds_catch_up(self.costs, self.drafter, self.rows, self.limit.k, unseen, remaining):
             k = 0
         if k and self.rows > 1:  # the other rows as this one: a batch of one workload's requests
@@ -320,15 +330,19 @@ def replay_guesses(
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         draft = guesses.tokens[p : p + ke]
+        short = 0  # unseen tokens beyond the pending one that the first pass feeds in its stride
         if isinstance(rule, AdaptiveRule):  # the prompt and every gap since the last draft
             lag = prompt_len + p - rule.fed
             catch_up = lag * per_token if lag > CATCH_UP_FREE else 0.0
+            short = max(lag - 1, 0) if lag <= CATCH_UP_FREE else 0
         else:
             catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
         paid[0] += catch_up
         fed = guessed_passes(guesses, prompt_ids, output_ids, p, ke) if alone else [0] * ke
-        drafting = sum(cost.at(1 + g) for g in fed)
+        # A short gap (a probe after plain steps) is fed as rows of the first pass and counts as drafting, as the
+        # engine measures it (ModelDrafter.propose): its probes cost it a pass of up to 17 rows, not of one.
+        drafting = sum(cost.at(1 + g) for g in fed) + short * cost.per_row
         if isinstance(rule, AdaptiveRule):
             rule.costs.observe_draft(ke, drafting, rule.drafter, rule.rows, len(fed))
         return draft + [-1] * (ke - len(draft)), drafting + catch_up
