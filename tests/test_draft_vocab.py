@@ -104,3 +104,23 @@ def test_the_default_and_what_a_spec_can_ask(embedded):
     assert math.isinf(float(DraftVocab(embedded.model, 32).forward_tokens(
         embedded.model.new_cache(1, 8), torch.tensor([1]), torch.tensor([0]), torch.zeros(1, dtype=torch.int32)
     )[0, -1]))  # fmt: skip
+
+
+def test_a_draft_repacked_in_4_bits_changes_no_output(embedded):
+    """model:PATH@int4 (with a reduced vocabulary too, in either order, named as typed): the draft's layers
+    re-packed in 4 bits, and the outputs, greedy and coupled, alone and in a batch, still plain decoding's: the
+    target verifies every proposal."""
+    path = embedded_model_path()
+    stored = make_drafter(f"model:{path}@{SIZE}", embedded, 1, 256)
+    packed = make_drafter(f"model:{path}@int4@{SIZE}", embedded, 1, 256)
+    assert packed.name.endswith(f"@int4@{SIZE}") and packed.vocab is not None and packed.vocab.size == SIZE
+    assert make_drafter(f"model:{path}@{SIZE}@int4", embedded, 1, 256).name.endswith(f"@{SIZE}@int4")  # as typed
+    assert packed.model.full.weights.precision == "int4" and stored.model.full.weights.precision != "int4"
+    spec = f"model:{path}@int4@{SIZE}"
+    for params in (SamplingParams(max_new_tokens=32), SamplingParams(max_new_tokens=32, temperature=0.8, seed=11)):
+        plain = Engine(embedded, max_batch=3).generate(PROMPTS, params)
+        batch = Engine(embedded, drafter=spec, k=4, max_batch=3).generate(PROMPTS, params)
+        alone = Engine(embedded, drafter=spec, k="auto", max_batch=1).generate(PROMPTS[:1], params)
+        assert [r.token_ids for r in batch] == [r.token_ids for r in plain], params.temperature
+        assert alone[0].token_ids == plain[0].token_ids
+        assert sum(r.stats.drafted for r in batch) > 0 and sum(r.stats.accepted for r in batch) > 0

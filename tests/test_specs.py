@@ -3,7 +3,7 @@
 import pytest
 
 from specwise.errors import SpecwiseError
-from specwise.specs import K_MAX, check_drafter_spec, parse_k, split_draft_vocab, split_head_precision
+from specwise.specs import K_MAX, check_drafter_spec, parse_k, split_draft_model, split_head_precision
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), (1, 1), ("7", 7), (K_MAX, K_MAX)])
@@ -20,17 +20,33 @@ def test_parse_k_refuses_with_the_allowed_range(value):
 
 @pytest.mark.parametrize(
     "spec",
-    ["ngram", "ngram:2", "model:/a/path", "model:/p@32768", "model:/p@full", "model:/v@2/m", "int8", "layerskip:0-2"],
+    [
+        "ngram",
+        "ngram:2",
+        "model:/a/path",
+        "model:/p@32768",
+        "model:/p@full",
+        "model:/v@2/m",
+        "model:/p@int4",
+        "model:/p@int4@16384",
+        "model:/p@full@int4",
+        "int8",
+        "layerskip:0-2",
+    ],
 )
 def test_drafter_grammar_accepts(spec):
     assert check_drafter_spec(spec) == spec
 
 
-def test_a_draft_models_vocabulary_is_split_from_its_path():
-    assert split_draft_vocab("/m/qwen@32768") == ("/m/qwen", 32768)
-    assert split_draft_vocab("qwen@full") == ("qwen", 0)
-    assert split_draft_vocab("/v@2/model") == ("/v@2/model", None)  # an '@' inside the path stays the path's
-    assert split_draft_vocab("qwen") == ("qwen", None)
+def test_a_draft_models_vocabulary_and_precision_are_split_from_its_path():
+    assert split_draft_model("/m/qwen@32768") == ("/m/qwen", None, 32768)
+    assert split_draft_model("qwen@full") == ("qwen", None, 0)
+    assert split_draft_model("/v@2/model") == ("/v@2/model", None, None)  # an '@' inside the path stays the path's
+    assert split_draft_model("qwen") == ("qwen", None, None)
+    assert split_draft_model("qwen@int4") == ("qwen", "int4", None)
+    assert split_draft_model("qwen@int4@16384") == split_draft_model("qwen@16384@int4") == ("qwen", "int4", 16384)
+    assert split_draft_model("qwen@int4@int4") == ("qwen@int4", "int4", None)  # once each: the rest is the path's
+    assert split_draft_model("qwen@int3") == ("qwen@int3", None, None)  # not an option: part of the path
 
 
 def test_a_heads_precision_is_split_from_its_path():

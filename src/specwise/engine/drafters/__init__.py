@@ -4,7 +4,8 @@
 - ``suffix`` / ``suffix:T`` suffix drafting over the request and the last T tokens of earlier outputs; no model
 - ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer; on a
                             vocabulary over 65,536 ids it scores the first 32,768, its specials and the prompt's
-                            (``model:PATH@IDS`` another number, ``model:PATH@full`` every id: engine/draft_vocab.py)
+                            (``model:PATH@IDS`` another number, ``model:PATH@full`` every id: engine/draft_vocab.py);
+                            ``model:PATH@int4`` its layers re-packed in 4 bits (group 32)
 - ``eagle:PATH``            an EAGLE-3 head trained for this target (`specwise train-draft`), reading its hidden states
 - ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
@@ -27,10 +28,11 @@ from specwise.engine.native import NativeDecoder
 from specwise.engine.weights import load_target
 from specwise.errors import SpecwiseError
 from specwise.specs import (
+    DRAFT_PRECISIONS,
     DRAFTER_HELP,
     HEAD_PRECISIONS,
     check_drafter_spec,
-    split_draft_vocab,
+    split_draft_model,
     split_head_precision,
 )
 
@@ -94,13 +96,18 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         _check_suffix(kind, arg, path, f"{HEAD_PRECISIONS[0]} (the default), " + ", ".join(HEAD_PRECISIONS[1:]))
         return EagleDrafter(path, target, num_slots, cache_len, precision)
     if kind == "model":
-        path, size = split_draft_vocab(arg)
-        _check_suffix(kind, arg, path, "a number of token ids (32 or more), or full")
-        told = "" if size is None else f"@{size or 'full'}"  # in the name: requests choose drafters by name
+        path, repack, size = split_draft_model(arg)
+        _check_suffix(kind, arg, path, f"{', '.join(DRAFT_PRECISIONS)}, a number of token ids (32 or more), or full")
+        # in the name: requests choose drafters by name
+        told = arg[len(path) :]  # the options as typed (@int4, @IDS, @full)
         draft = load_target(path, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, path)
-        extra = draft.model.weight_bytes()
         model: CausalLM = draft.model
+        if repack is not None:  # the proposals change, never the output: the target verifies them
+            if not isinstance(model, NativeDecoder):
+                raise SpecwiseError(f"model:{arg}: @{repack} re-packs a draft on the CPU kernels; this one is not")
+            model = model.requantized(repack, head=False)
+        extra = model.weight_bytes()
         size = default_size(output_size(model)) if size is None and isinstance(model, NativeDecoder) else size
         if size:
             if not isinstance(model, NativeDecoder):
