@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specwise.engine.cache import CausalLM
+from specwise.engine.draft_length import CATCH_UP_FREE
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.drafters.ngram import lookup
@@ -30,7 +31,9 @@ from specwise.engine.noise import DRAFT
 from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
 
 S = TypeVar("S")
-LONG_CATCH_UP = 16  # a row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch
+# A row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch: the same number as
+# the engine's and the replay's catch-up that costs nothing apart (a shorter gap is priced inside the drafting).
+LONG_CATCH_UP = CATCH_UP_FREE
 GUESS_NGRAM = 3  # the longest n-gram a guess of the draft's continuation matches (ngram.lookup)
 
 
