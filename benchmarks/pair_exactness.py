@@ -1,6 +1,7 @@
 """Speculative output equals plain output on the real pair, per kernel variant, in one process per variant.
 
-The 1.5B target plain against the 0.5B draft (k=auto and k=4) and n-gram (k=auto): the first three `code` tasks as
+The 1.5B target plain against the 0.5B draft (k=auto and k=4; re-packed in 4 bits, `@int4`, k=auto) and n-gram
+(k=auto): the first three `code` tasks as
 a batch of three and the first alone, greedy, --max-new-tokens; with --head DIR also a draft head trained for the
 1.5B (`eagle:DIR`, in its default 4-bit form and @int8, k=auto and k=2). Prints, per variant and drafter, whether every
 output equals plain's (and plain alone its own output in the batch). Exit status 1 if any differs.
@@ -16,7 +17,12 @@ import subprocess
 import sys
 import time
 
-SYSTEMS = (("model:qwen2.5-coder-0.5b", "auto"), ("model:qwen2.5-coder-0.5b", 4), ("ngram", "auto"))
+SYSTEMS = (
+    ("model:qwen2.5-coder-0.5b", "auto"),
+    ("model:qwen2.5-coder-0.5b", 4),
+    ("model:qwen2.5-coder-0.5b@int4", "auto"),
+    ("ngram", "auto"),
+)
 
 
 def one_variant(variant: str, max_new_tokens: int, head: str | None) -> bool:

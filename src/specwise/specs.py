@@ -55,8 +55,8 @@ DRAFTER_HELP = (
 
 
 def _draft_vocab_ok(arg: str) -> bool:
-    size = split_draft_model(arg)[2]
-    return size is None or (size == 0 and "@full" in arg) or size >= 32
+    path, _, size = split_draft_model(arg)
+    return size is None or size >= 32 or (size == 0 and "full" in arg[len(path) :].split("@"))
 
 
 def split_draft_model(arg: str) -> tuple[str, str | None, int | None]:

@@ -402,6 +402,12 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     auto_drafter = drafter
     guesses_of: dict = {}  # record key → a greedy draft model's guesses (k=auto replays them again, below)
     features: dict = {}  # record key (None: the warm-up) → the target's features over it, for a trained head
+
+    def replayed(d, r, rule):  # a record's output through drafter d, from the history of its load and repeat
+        return replay(
+            d, prompts[r.task_id], r.tokens, rule, features=features.get(r.key), tenant=phase_history(r.load, r.repeat)
+        )
+
     layers: tuple[int, ...] = ()  # a trained head's: the target's layers whose hidden states it reads
     cold = 1.0  # a trained head's drafting in a run ÷ replayed (`_head_in_a_run`)
     per_token, pass_cost = 0.0, DraftPassCost()
@@ -447,14 +453,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             for r in ordered:
                 assert r.tokens is not None
                 fixed_rule = DraftRule(k, limits[r.task_id], engine.max_len)
-                out = replay(
-                    drafter,
-                    prompts[r.task_id],
-                    r.tokens,
-                    fixed_rule,
-                    features=features.get(r.key),
-                    tenant=phase_history(r.load, r.repeat),
-                )
+                out = replayed(drafter, r, fixed_rule)
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
         if layers:  # the head drafts between the target's passes, on caches they flushed: timed as it runs there
             cold = _head_in_a_run(target, spec, engine, [(tasks[r.task_id].request, r) for r in ordered[:2]])
@@ -506,14 +505,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                     guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
                 )
             else:
-                out = replay(
-                    auto_drafter,
-                    prompts[r.task_id],
-                    r.tokens,
-                    rule,
-                    features=features.get(r.key),
-                    tenant=phase_history(r.load, r.repeat),
-                )
+                out = replayed(auto_drafter, r, rule)
                 if layers and rule.rows == 1:
                     out.counts.drafting_time *= cold
             replays.append(Replay(r.key, "auto", out.counts, out.open_steps, out.catch_up))

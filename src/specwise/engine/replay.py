@@ -330,11 +330,13 @@ def replay_guesses(
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         draft = guesses.tokens[p : p + ke]
-        short = 0  # unseen tokens beyond the pending one that the first pass feeds in its stride
+        catch_up, short = 0.0, 0  # short: unseen tokens beyond the pending one that the first pass feeds in its stride
         if isinstance(rule, AdaptiveRule):  # the prompt and every gap since the last draft
             lag = prompt_len + p - rule.fed
-            catch_up = lag * per_token if lag > CATCH_UP_FREE else 0.0
-            short = max(lag - 1, 0) if lag <= CATCH_UP_FREE else 0
+            if lag > CATCH_UP_FREE:
+                catch_up = lag * per_token
+            else:
+                short = max(lag - 1, 0)
         else:
             catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
         caught_up[0] = True
