@@ -12,7 +12,7 @@ import torch
 from specwise.engine import Engine, SamplingParams
 from specwise.engine.draft_vocab import DEFAULT_SIZE, LARGE_VOCAB, DraftVocab, default_size
 from specwise.engine.drafters import make_drafter
-from specwise.engine.weights import embedded_model_path
+from specwise.engine.weights import NATIVE_VERSION, embedded_model_path
 from specwise.errors import SpecwiseError
 
 PROMPTS = [
@@ -116,6 +116,14 @@ def test_a_draft_repacked_in_4_bits_changes_no_output(embedded):
     assert packed.name.endswith(f"@int4@{SIZE}") and packed.vocab is not None and packed.vocab.size == SIZE
     assert make_drafter(f"model:{path}@{SIZE}@int4", embedded, 1, 256).name.endswith(f"@{SIZE}@int4")  # as typed
     assert packed.model.full.weights.precision == "int4" and stored.model.full.weights.precision != "int4"
+    assert packed.provenance("")["layers_repacked"] == "int4" and "layers_repacked" not in stored.provenance("")
+    # a GGUF's re-packing is saved in its conversion cache and read from there the next time, the same numbers
+    assert (embedded.directory / f"native-v{NATIVE_VERSION}-layers-int4.safetensors").is_file()
+    again = make_drafter(f"model:{path}@int4", embedded, 1, 256).model.weights.layers[0].gate_up
+    assert torch.equal(again.w, packed.model.full.weights.layers[0].gate_up.w)
+    # the embedded model stores no layer in 5 or 6 bits: by default and @stored its draft runs them as stored
+    assert not stored.model.full.weights.bit_planes() and stored.repacked is None
+    assert make_drafter(f"model:{path}@stored", embedded, 1, 256).repacked is None
     spec = f"model:{path}@int4@{SIZE}"
     for params in (SamplingParams(max_new_tokens=32), SamplingParams(max_new_tokens=32, temperature=0.8, seed=11)):
         plain = Engine(embedded, max_batch=3).generate(PROMPTS, params)

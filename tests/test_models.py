@@ -183,10 +183,26 @@ def test_the_big_models_greedy_output_is_the_same_alone_and_in_a_batch_on_every_
 @pytest.mark.real
 def test_the_small_model_drafts_for_the_big_one_without_changing_a_token(pair):
     """Greedy and seeded coupled, k 1, 4 and auto, alone and in a batch of 3, the draft over its default reduced
-    vocabulary (32,768 ids, the specials and the prompt's): every output is plain decoding's."""
+    vocabulary (32,768 ids, the specials and the prompt's) and with its default precision (its Q5_0 and Q6_K
+    layers re-packed in 4 bits, the rest as stored): every output is plain decoding's."""
     from specwise.engine import Engine, SamplingParams
+    from specwise.engine import kernels as K
 
     target = pair[PAIR[0]]
+    drafter = next(iter(Engine(target, drafter=f"model:{PAIR[1]}", max_batch=1).drafters.values()))
+    stored = pair[PAIR[1]].model.weights
+    weights = drafter.model.full.weights
+    assert (
+        drafter.provenance("")["layers_repacked"]
+        == weights.precision
+        == f"{stored.precision}, 5- and 6-bit layers in int4"
+    )
+    assert stored.bit_planes() and not weights.bit_planes()
+    names = ("qkv", "o", "gate_up", "down")
+    pairs = [(getattr(a, n), getattr(b, n)) for a, b in zip(stored.layers, weights.layers, strict=True) for n in names]
+    fmts = [([p.fmt for p in a.parts], [p.fmt for p in b.parts]) for a, b in pairs]
+    kept = [was == now for was, now in fmts if not {K.Q5, K.Q6} & set(was)]
+    assert kept and all(kept)  # the 4- and 8-bit layers as stored
     prompts = [
         "Add type hints:\ndef area(w, h):\n    return w * h\n",
         "Rename total to acc_sum:\ntotal = 0\nfor v in vals:\n    total += v\n",

@@ -3,7 +3,7 @@ kept in one torch-free place so each rule is stated once.
 
 - draft length ``k``: 1..K_MAX, or ``auto`` (adaptive, capped by the engine's k_max)
 - drafter specs: ``ngram`` / ``ngram:N``, ``suffix`` / ``suffix:TOKENS``, ``model:PATH`` / ``model:PATH@IDS`` /
-  ``model:PATH@full`` / ``model:PATH@int4``, ``int8``, ``layerskip:SPEC``
+  ``model:PATH@full`` / ``model:PATH@int4`` / ``model:PATH@stored``, ``int8``, ``layerskip:SPEC``
 - target precisions: ``--dtype`` (DTYPES), ``--quantize`` (QUANTIZE) and ``--activations`` (ACTIVATIONS)
 - what a target is loaded as (model, device, precision): TargetOptions
 - a draft head's training (`specwise train-draft`): TrainOptions
@@ -36,7 +36,9 @@ ACTIVATIONS = ("auto", "int8", "float32")
 # What a trained draft head's linear layers run in on the CPU kernels (`eagle:PATH@PRECISION`), the default first:
 # int4 drafts as well as int8 in half the bytes (docs/benchmarks.md, "A draft head trained on this CPU").
 HEAD_PRECISIONS = ("int4", "int8", "bfloat16", "float32")
-DRAFT_PRECISIONS = ("int4",)  # model:PATH@int4: the draft's layers re-packed (default: as its file stores them)
+# model:PATH@int4: every layer of the draft re-packed in 4 bits; @stored: as its file stores them. The default: int4
+# where the file stores layers in 5 or 6 bits (their bit planes cost the kernels more than their bytes), else stored.
+DRAFT_PRECISIONS = ("int4", "stored")
 BUSY_SHARE = 0.10  # a phase whose background took more than this share of the cores is flagged as contended
 QUIET_MACHINE_MODES = ("ignore", "wait", "fail")  # evaluate --quiet-machine: the first is the default
 QUIET_WAIT_S = 120.0  # --quiet-machine wait: the longest wait for a quiet machine before one phase
@@ -48,7 +50,8 @@ VERIFY_HELP = (
 )
 DRAFTER_HELP = (
     "ngram, ngram:N, suffix, suffix:TOKENS, model:PATH (model:PATH@IDS: the draft scores the first IDS token ids, "
-    "its specials and the prompt's; model:PATH@full: every id; model:PATH@int4: its layers in 4 bits), "
+    "its specials and the prompt's; model:PATH@full: every id; its 5- and 6-bit layers run in 4 bits: "
+    "model:PATH@int4 every layer, model:PATH@stored none), "
     "eagle:PATH (eagle:PATH@int8: the head's layers in int8, not int4; also @bfloat16, @float32), int8, "
     "layerskip:SPEC (e.g. layerskip:12, layerskip:0-29/2)"
 )
@@ -61,9 +64,9 @@ def _draft_vocab_ok(arg: str) -> bool:
 
 def split_draft_model(arg: str) -> tuple[str, str | None, int | None]:
     """A model: drafter's argument → (path, precision, draft vocabulary), each option an '@' suffix in either
-    order: 'PATH@int4' → the draft's layers re-packed in 4 bits (None: as stored); 'PATH@32768' → 32768 ids,
-    'PATH@full' → 0 (every id), no suffix → None (the default for its vocabulary). An '@' followed by anything else
-    belongs to the path."""
+    order: 'PATH@int4' → every layer re-packed in 4 bits, 'PATH@stored' → as stored, no suffix → None (the default
+    for its layers' types); 'PATH@32768' → 32768 ids, 'PATH@full' → 0 (every id), no suffix → None (the default for
+    its vocabulary). An '@' followed by anything else belongs to the path."""
     path, precision, size = arg, None, None
     for _ in range(2):
         rest, tail = _at_suffix(path, lambda t: t.isdigit() or t == "full" or t in DRAFT_PRECISIONS)
@@ -131,7 +134,7 @@ def check_drafter_spec(spec: object) -> str:
             "ngram": "ngram:N takes a whole number N ≥ 1",
             "suffix": "suffix:TOKENS takes the shared history's size in tokens, a whole number (0: no history)",
             "model": "model:PATH needs a path; model:PATH@IDS a whole number of 32 or more ids, or @full; @int4 "
-            "re-packs its layers",
+            "re-packs its layers, @stored keeps them as stored",
             "eagle": "eagle:PATH needs the directory of a trained head (specwise train-draft --out)",
             "int8": "int8 takes no argument",
             "layerskip": "layerskip:SPEC needs a layer spec",

@@ -103,6 +103,31 @@ class NativeWeights:
         norms = sum(L.attn_norm.numel() + L.ffn_norm.numel() for L in self.layers) + self.norm.numel()
         return sum(p.outputs * p.k for p in packed.values()) + norms
 
+    def bit_planes(self) -> bool:
+        """Whether a linear layer is stored in 5 or 6 bits (Q5, Q6): their high-bit planes cost the kernels more
+        than their bytes (a draft model's default re-packs such layers in 4 bits, docs/drafters.md)."""
+        return any(_planes(p) for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down))
+
+    def requantized(self, precision: str, head: bool = True, planes_only: bool = False) -> NativeWeights:
+        """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
+        dequantised reference of a quantised model), one layer at a time — with `planes_only`, only those stored
+        in 5 or 6 bits; embeddings and norms are shared, and the LM head too unless `head` (a draft model's
+        re-packed layers keep its head: dequantising a 151,936-row head took a third of the time and most of the
+        memory)."""
+
+        def again(p: K.PackedLinear) -> K.PackedLinear:
+            if planes_only and not _planes(p):
+                return p
+            return pack(p.dequantize(), precision, p.bias_all())
+
+        layers = [
+            NativeLayer(L.attn_norm, again(L.qkv), again(L.o), L.ffn_norm, again(L.gate_up), again(L.down))
+            for L in self.layers
+        ]
+        lm = pack(self.head.dequantize(), precision, head=True) if head else self.head
+        named = f"{self.precision}, 5- and 6-bit layers in {precision}" if planes_only else precision
+        return replace(self, precision=named, layers=layers, head=lm)
+
     # --- saving in the conversion cache ---------------------------------------------------------------------
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -151,6 +176,11 @@ class NativeWeights:
             for i in range(cfg.num_layers)
         ]
         return cls(cfg, meta["precision"], embed, head, tensors["norm"], layers)
+
+
+def _planes(p: K.PackedLinear) -> bool:
+    """A layer (any of its fused parts) stored with high-bit planes (Q5, Q6)."""
+    return any(q.fmt in (K.Q5, K.Q6) for q in p.parts)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -668,30 +698,7 @@ class NativeDecoder:
     def requantized(
         self, precision: str, kv_dtype: torch.dtype | None = None, activations: str = "int8", head: bool = True
     ) -> NativeDecoder:
-        """A copy whose linear layers are re-packed in `precision` (int8 for self-drafting; float32 gives the
-        dequantised reference of a quantised model) on the same kernels; embeddings and norms are shared, and the
-        LM head too unless `head` (a draft model's re-packed layers keep its head: dequantising a 151,936-row head
-        took a third of the time and most of the memory)."""
-
-        def again(p: K.PackedLinear) -> K.PackedLinear:
-            return pack(p.dequantize(), precision, p.bias_all())
-
-        layers = [
-            NativeLayer(
-                L.attn_norm,
-                again(L.qkv),
-                again(L.o),
-                L.ffn_norm,
-                pack(L.gate_up.dequantize(), precision),
-                pack(L.down.dequantize(), precision),
-            )
-            for L in self.weights.layers
-        ]
-        lm = pack(self.weights.head.dequantize(), precision, head=True) if head else self.weights.head
+        """A copy whose linear layers are re-packed in `precision` (NativeWeights.requantized) on the same kernels."""
         return NativeDecoder(
-            replace(self.weights, precision=precision, layers=layers, head=lm),
-            self.max_len,
-            kv_dtype,
-            activations,
-            self.variant,
+            self.weights.requantized(precision, head), self.max_len, kv_dtype, activations, self.variant
         )

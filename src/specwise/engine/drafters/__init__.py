@@ -5,7 +5,8 @@
 - ``model:PATH``            an independent draft model (HF directory or GGUF) with the target's tokenizer; on a
                             vocabulary over 65,536 ids it scores the first 32,768, its specials and the prompt's
                             (``model:PATH@IDS`` another number, ``model:PATH@full`` every id: engine/draft_vocab.py);
-                            ``model:PATH@int4`` its layers re-packed in 4 bits (group 32)
+                            its layers re-packed in 4 bits (group 32) where it stores them in 5 or 6 bits
+                            (``model:PATH@int4`` every layer, ``model:PATH@stored`` none)
 - ``eagle:PATH``            an EAGLE-3 head trained for this target (`specwise train-draft`), reading its hidden states
 - ``int8``                  a copy of the target with every linear layer in 8 bits (group of 32)
 - ``layerskip:SPEC``        the target run through a subset of its layers: ``12`` (the first 12), ``0-11,29``,
@@ -25,7 +26,7 @@ from specwise.engine.drafters.eagle import EagleDrafter
 from specwise.engine.drafters.ngram import NgramDrafter
 from specwise.engine.drafters.suffix import HISTORY_TOKENS, SuffixDrafter
 from specwise.engine.native import NativeDecoder
-from specwise.engine.weights import load_target
+from specwise.engine.weights import load_target, repacked
 from specwise.errors import SpecwiseError
 from specwise.specs import (
     DRAFT_PRECISIONS,
@@ -103,10 +104,17 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
         draft = load_target(path, device=str(target.device), max_len=cache_len)
         check_same_vocabulary(target, draft, path)
         model: CausalLM = draft.model
-        if repack is not None:  # the proposals change, never the output: the target verifies them
+        # The default re-packs the layers stored in 5 or 6 bits: their bit planes cost the kernels more than their
+        # bytes (docs/drafters.md); @int4 re-packs every layer, @stored none.
+        planes_only = repack is None
+        wide = isinstance(model, NativeDecoder) and model.weights.bit_planes()
+        precision = repack or (DRAFT_PRECISIONS[0] if wide else "stored")
+        repacked_as = None  # the precision string of re-packed weights, for the provenance
+        if precision != "stored":
             if not isinstance(model, NativeDecoder):
-                raise SpecwiseError(f"model:{arg}: @{repack} re-packs a draft on the CPU kernels; this one is not")
-            model = model.requantized(repack, head=False)
+                raise SpecwiseError(f"model:{arg}: @{precision} re-packs a draft on the CPU kernels; this one is not")
+            model = repacked(draft, precision, planes_only)
+            repacked_as = model.weights.precision
         extra = model.weight_bytes()
         size = default_size(output_size(model)) if size is None and isinstance(model, NativeDecoder) else size
         if size:
@@ -114,7 +122,15 @@ def make_drafter(spec: str, target, num_slots: int, cache_len: int) -> Drafter:
                 raise SpecwiseError(f"model:{arg}: a reduced draft vocabulary needs the draft on the CPU kernels")
             model = DraftVocab(model, size, draft.tokenizer.special_ids())
         label = models.named(path, draft.identity.name)  # requests choose drafters by name: the one typed
-        return ModelDrafter(model, f"model:{label}{told}", num_slots, cache_len, extra, draft.identity)
+        return ModelDrafter(
+            model,
+            f"model:{label}{told}",
+            num_slots,
+            cache_len,
+            extra,
+            draft.identity,
+            repacked_as,
+        )
     raise SpecwiseError(f"unknown drafter {spec!r} (allowed: {DRAFTER_HELP})")
 
 

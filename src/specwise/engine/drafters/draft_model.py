@@ -90,12 +90,14 @@ class ModelDrafter:
         cache_len: int,
         extra_weight_bytes: int,
         identity=None,
+        repacked: str | None = None,
         guess: bool = True,
     ):
         self.model, self.name = model, name
         self.guess = guess  # feed a guess of the draft's continuation with each pass (the same drafts, fewer passes)
         self.vocab = model if isinstance(model, DraftVocab) else None  # a reduced draft vocabulary, or every id
         self.identity = identity  # a ModelIdentity for an independent draft model; None when derived from the target
+        self.repacked = repacked  # the precision its layers were re-packed in (weights.repacked); None: as stored
         self.cache = model.new_cache(num_slots, cache_len)
         self.seen: dict[int, list[int]] = {}  # slot → tokens whose keys/values the draft cache holds, in order
         self._extra_weights = extra_weight_bytes
@@ -112,6 +114,8 @@ class ModelDrafter:
             out = self.identity.to_dict()
         else:
             out = {"name": self.name, "derived_from": target_sha256}
+        if self.repacked is not None:
+            out["layers_repacked"] = self.repacked
         if self.vocab is not None:
             v = self.vocab
             out["draft_vocab"] = {"first_ids": v.size, "special_ids": len(v.always), "prompt_ids": True}
