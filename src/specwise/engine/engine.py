@@ -199,6 +199,10 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
+        # slot → (tenant, tokens whose keys and values its cache rows hold from the request it served last): a new
+        # prompt of the same tenant that begins with them is read from where they end (`_admit`)
+        self.slot_tokens: dict[int, tuple[str, list[int]]] = {}
+        self.reuse_prompts = True  # False: every prompt prefilled whole (benchmarks/prompt_reuse.py compares)
         self._ids = itertools.count()
 
     def add_drafter(self, drafter: str | Drafter) -> Drafter:
@@ -438,10 +442,35 @@ class Engine:
         self.faults.append((seq.request_id, exc))
 
     def _admit(self, seq: Sequence) -> None:
-        seq.slot = self.free_slots.pop(0)
+        """Give `seq` the free slot whose cache rows hold the longest start of its prompt (its tenant's, on a
+        batch-invariant target whose drafters read no hidden states: there a row's keys and values are the same
+        numbers whichever pass computed them), and skip prefilling that start — all but the prompt's last token,
+        whose logits give the first output token."""
+        prompt = seq.token_ids[: seq.prompt_len - 1]
+        reused = {slot: self._reusable(slot, seq.tenant, prompt) for slot in self.free_slots}
+        seq.slot = max(self.free_slots, key=lambda slot: (reused[slot], -slot))
+        self.free_slots.remove(seq.slot)
+        seq.prefilled = seq.stats.cached_tokens = reused[seq.slot]
         self.running.append(seq)
         seq.admitted = self._now()
         seq.stats.queue_time = seq.admitted - seq.submitted
+
+    def _reusable(self, slot: int, tenant: str, prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens `slot`'s cache rows already hold for `tenant`."""
+        held = self.slot_tokens.get(slot)
+        if held is None or held[0] != tenant or not self.reuse_prompts or self.readers:
+            return 0
+        if not getattr(self.model, "batch_invariant", False):
+            return 0
+        tokens = held[1]
+        lo, hi = 0, min(len(tokens), len(prompt))  # the longest common start, by halving (slices compare in C)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tokens[:mid] == prompt[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _prefill_chunks(self, busy: bool, pool: list[Sequence]) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens
@@ -523,7 +552,7 @@ class Engine:
         firsts = []  # (sequence, row of its last prompt token among the logits)
         chunk_rows = []  # (first row, first position) of each chunk
         for seq, a, b in chunks:
-            if seq.prefilled == 0:
+            if not seq.prefill_started:
                 seq.prefill_started = t1
             chunk_rows.append((len(tokens), a))
             tokens += seq.token_ids[a:b]
@@ -755,8 +784,16 @@ class Engine:
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
+        # The rows the cache holds for committed tokens: every prompt token prefilled, and once decoding, every
+        # committed token but the last (never fed). A request that failed leaves nothing to reuse.
+        fed = len(seq.token_ids) - 1 if seq.prefilled == seq.prompt_len else seq.prefilled
+        keep = seq.finish_reason != "error"
+        self.slot_tokens[seq.slot] = (seq.tenant, seq.token_ids[:fed] if keep else [])
         for drafter in self.drafters.values():  # a slot's next request may use another drafter
-            drafter.release(seq.slot)
+            if keep and getattr(drafter, "keeps_rows", False):  # its own cache's rows stay valid too
+                drafter.release(seq.slot, keep=True)
+            else:
+                drafter.release(seq.slot)
 
     # --- measurement ----------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ class RequestStats(SpecCounts):
     """What one request cost and what speculation did for it. Times are seconds on the device's clock."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, read from the cache rows the slot's last request left (not prefilled)
     generated_tokens: int = 0
     queue_time: float = 0.0  # submitted → prefill started
     prefill_time: float = 0.0  # the prompt's passes

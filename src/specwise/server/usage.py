@@ -30,11 +30,14 @@ def spec_usage(seqs: list[Sequence]) -> dict:
 
 
 def token_usage(seqs: list[Sequence], completion_tokens: int) -> dict:
-    prompt_tokens = sum(s.prompt_len for s in seqs if s.noise.stream == 0)  # each prompt counted once, not per choice
+    firsts = [s for s in seqs if s.noise.stream == 0]  # each prompt counted once, not per choice
+    prompt_tokens = sum(s.prompt_len for s in firsts)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field: prompt tokens read from the cache (the start its slot's last request left), not prefilled
+        "prompt_tokens_details": {"cached_tokens": sum(s.stats.cached_tokens for s in firsts)},
     }
 
 
