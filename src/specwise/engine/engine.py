@@ -35,6 +35,7 @@ from specwise.engine.draft_length import (
 )
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
+from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise, fresh_seed
@@ -790,7 +791,7 @@ class Engine:
         keep = seq.finish_reason != "error"
         self.slot_tokens[seq.slot] = (seq.tenant, seq.token_ids[:fed] if keep else [])
         for drafter in self.drafters.values():  # a slot's next request may use another drafter
-            if keep and getattr(drafter, "keeps_rows", False):  # its own cache's rows stay valid too
+            if keep and isinstance(drafter, ModelDrafter):  # its own cache's rows stay valid too
                 drafter.release(seq.slot, keep=True)
             else:
                 drafter.release(seq.slot)

@@ -82,8 +82,6 @@ def chain(
 class ModelDrafter:
     """Autoregressive drafting with `model` (anything with our decoder's forward/new_cache)."""
 
-    keeps_rows = True  # release(slot, keep=True) keeps what its cache holds for the slot's next request
-
     def __init__(
         self,
         model: CausalLM,
@@ -129,7 +127,7 @@ class ModelDrafter:
             self.vocab.admit(slot, prompt_ids)
 
     def release(self, slot: int, keep: bool = False) -> None:
-        """`keep` (the engine reuses the slot's rows, `keeps_rows`): the next request that begins with the tokens
+        """`keep` (the engine reuses the slot's rows): the next request that begins with the tokens
         this cache holds for the slot catches up from where they end."""
         if not keep:
             self.seen.pop(slot, None)
