@@ -22,7 +22,8 @@ def phase_history(load: str, repeat: int) -> str:
     own, so that the other repeats and loads — the same tasks again, whose outputs a suffix drafter would copy
     whole — are not in it (with one history the second repeat's questions ran 1.68x where the first ran 1.15x).
     Within a load and repeat each task runs once and the later ones meet the earlier ones' outputs, as traffic
-    does. The replay in `specwise predict` keeps the same histories."""
+    does. The replay in `specwise predict` keeps the same histories. It is also the tenant whose cache rows a prompt
+    may start from (`Engine._admit`): a repeat never reads its own prompt from the rows its earlier run left."""
     return f"{load}#{repeat}"
 
 
