@@ -76,3 +76,27 @@ def test_a_prompt_takes_the_slot_holding_its_start_and_other_tenants_start_afres
     again = run(one, [chat(QUESTIONS[1])], GREEDY, tenant="someone else")[0]
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
     assert mine.token_ids == other.token_ids == again.token_ids
+
+
+def test_predict_counts_the_start_a_draft_models_rows_hold_as_the_engine_reuses_it(embedded):
+    """`cached_starts` (what `specwise predict` leaves out of a draft model's catch-up) equals what the draft's own
+    cache held when the engine asked it for its first draft of each request."""
+    from specwise.engine.replay import cached_starts
+
+    engine = Engine(embedded, drafter="layerskip:20", k=4, max_batch=1)
+    drafter = engine.drafter
+    held: list[int] = []
+    propose = drafter.propose
+
+    def first_drafts(seqs, ks):  # the draft's cache before each request's first draft
+        held.extend(s.prompt_len + 1 - drafter.lag(s) for s in seqs if len(s.token_ids) == s.prompt_len + 1)
+        return propose(seqs, ks)
+
+    drafter.propose = first_drafts
+    prompts = [chat(q) for q in [*QUESTIONS, QUESTIONS[-1]]]  # the last one twice in a row
+    results = [run(engine, [p], GREEDY)[0] for p in prompts]
+    requests = [("", engine.encode_prompt(p), r.token_ids) for p, r in zip(prompts, results, strict=True)]
+    assert held == cached_starts(requests, 1)
+    assert held[0] == 0 and all(h > 10 for h in held[1:]) and held[-1] == len(requests[-1][1])
+    assert cached_starts([("a", [1, 2, 3], [4]), ("b", [1, 2, 3], [4]), ("a", [1, 2, 5], [6])], 1) == [0, 0, 2]
+    assert cached_starts([("a", [1, 2], [3, 4]), ("a", [7], [8]), ("a", [1, 2, 3, 9], [1])], 2) == [0, 0, 3]

@@ -351,6 +351,7 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         AdaptiveRule,
         DraftPassCost,
         DraftRule,
+        cached_starts,
         can_guess,
         draft_pass_seconds,
         greedy_guesses,
@@ -396,6 +397,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     replays = []
     fixed = [k for k in ks if isinstance(k, int)]
     load_of = {ld.name: ld.value for ld in plan.loads}
+    # the prompt's start a draft model's rows held from the tenant's earlier requests (the engine reuses them)
+    runs = [(phase_history(r.load, r.repeat), prompts[r.task_id], r.tokens or []) for r in ordered]
+    cached = dict(zip([r.key for r in ordered], cached_starts(runs, engine.max_batch), strict=True))
     drafter = make_drafter(spec, target, 1, engine.cache_len)
     name, batched = drafter.name, isinstance(drafter, ModelDrafter)
     guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
@@ -426,7 +430,13 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 limit = limits[r.task_id]
                 fixed_rule = DraftRule(k, limit, engine.max_len)
                 out = replay_guesses(
-                    guesses, prompts[r.task_id], r.tokens, fixed_rule, pass_cost, guesses_alone and alone[r.load]
+                    guesses,
+                    prompts[r.task_id],
+                    r.tokens,
+                    fixed_rule,
+                    pass_cost,
+                    guesses_alone and alone[r.load],
+                    cached[r.key],
                 )
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
     else:
@@ -502,7 +512,13 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             )
             if guessing:
                 out = replay_guesses(
-                    guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, guesses_alone and rule.rows == 1
+                    guesses_of[r.key],
+                    prompts[r.task_id],
+                    r.tokens,
+                    rule,
+                    pass_cost,
+                    guesses_alone and rule.rows == 1,
+                    cached[r.key],
                 )
             else:
                 out = replayed(auto_drafter, r, rule)

@@ -136,3 +136,16 @@ def output_size(model: object) -> int:
     """How many tokens a model scores (its vocabulary): our decoders' `cfg`, or a transformers model's `config`."""
     cfg = getattr(model, "cfg", None) or model.config  # type: ignore[attr-defined]
     return int(cfg.vocab_size)
+
+
+def common_start(a: list[int], b: list[int]) -> int:
+    """How many first tokens two token lists share: how much of a prompt a slot's rows hold (by halving: slices
+    compare in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specwise.engine.cache import output_size
+from specwise.engine.cache import common_start, output_size
 from specwise.engine.draft_length import (
     AdaptiveK,
     CostModel,
@@ -463,15 +463,7 @@ class Engine:
             return 0
         if not getattr(self.model, "batch_invariant", False):
             return 0
-        tokens = held[1]
-        lo, hi = 0, min(len(tokens), len(prompt))  # the longest common start, by halving (slices compare in C)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tokens[:mid] == prompt[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return common_start(held[1], prompt)
 
     def _prefill_chunks(self, busy: bool, pool: list[Sequence]) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specwise.engine.cache import common_start
 from specwise.engine.draft_length import (
     CATCH_UP_FREE,
     AdaptiveK,
@@ -309,6 +310,22 @@ def guessed_passes(guesses: Guesses, prompt_ids: list[int], output_ids: list[int
     return fed
 
 
+def cached_starts(requests: list[tuple[str, list[int], list[int]]], slots: int) -> list[int]:
+    """For requests (tenant, prompt ids, output ids) in the order they ran: how many of each prompt's tokens a
+    draft model's cache rows already held, as the engine reuses them (`Engine._admit`: the free slot holding the
+    longest start of the prompt, its own tenant's; the draft's rows may hold all of it, the target's stop one token
+    short). The rows of the last `slots` requests of the same tenant are the candidates — exact when one request runs
+    at a time, an estimate of which slots are free otherwise."""
+    held: dict[str, list[list[int]]] = {}
+    out = []
+    for tenant, prompt, output in requests:
+        rows = held.setdefault(tenant, [])
+        out.append(max((common_start(r, prompt) for r in rows), default=0))
+        rows.append(prompt + output[:-1])  # every committed token but the last was fed
+        del rows[: -max(slots, 1)]
+    return out
+
+
 def replay_guesses(
     guesses: Guesses,
     prompt_ids: list[int],
@@ -316,17 +333,21 @@ def replay_guesses(
     rule: DraftRule | AdaptiveRule,
     cost: DraftPassCost = DraftPassCost(),
     alone: bool = False,
+    cached: int = 0,
 ) -> Replayed:
     """`walk` for a greedy draft model from its guesses: it drafts the full ke tokens every step (those past the
     first miss are its own, never accepted). Drafting is estimated from `cost`: a pass per drafted token, or where
     the row drafts `alone` (the draft model then also feeds guesses of its draft's continuation) the passes
     `guessed_passes` counts; the first draft also pays the draft's pass over the prompt (under k=auto every long
     catch-up pays at the prompt pass's rate per token). Under k=auto the rule's costs learn each step's drafting
-    time as the engine's do (`CostModel.observe_draft`), priced alone when the rule's batch is one row."""
+    time as the engine's do (`CostModel.observe_draft`), priced alone when the rule's batch is one row. `cached`:
+    the prompt's first tokens the draft's cache rows already hold (`cached_starts`), not caught up on."""
     prompt_len = len(prompt_ids)
     caught_up = [False]
     paid = [0.0]  # seconds of catching up: in a batch, a pass the other rows wait for too
     per_token = guesses.prompt_seconds / max(prompt_len, 1)  # catching up on a token, as the prompt's pass did
+    if isinstance(rule, AdaptiveRule):
+        rule.fed = cached
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
         draft = guesses.tokens[p : p + ke]
@@ -338,7 +359,7 @@ def replay_guesses(
             else:
                 short = max(lag - 1, 0)
         else:
-            catch_up = 0.0 if caught_up[0] else guesses.prompt_seconds
+            catch_up = 0.0 if caught_up[0] else (prompt_len - cached) * per_token
         caught_up[0] = True
         paid[0] += catch_up
         fed = guessed_passes(guesses, prompt_ids, output_ids, p, ke) if alone else [0] * ke
