@@ -168,9 +168,11 @@ def test_openai_client_completions_and_chat_streamed_and_not(live, target):
     spec = r.usage.model_extra["speculative"]
     assert spec["enabled"] and spec["drafter"] == "ngram" and spec["accepted_tokens"] <= spec["drafted_tokens"]
     # the same prompt again: its start is read from the rows the first left in its slot (OpenAI's cached_tokens)
+    hits = live.gauge("vllm:prefix_cache_hits_total")
     again = client.completions.create(model="tiny", prompt="abc abc abc", max_tokens=40, temperature=0)
     assert again.choices[0].text == ref.text
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert live.gauge("vllm:prefix_cache_hits_total") - hits == again.usage.prompt_tokens - 1  # and on /metrics
 
     chunks = list(
         client.completions.create(

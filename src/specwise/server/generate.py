@@ -209,7 +209,9 @@ async def generate(state: ServerState, request: Request, prepared: Prepared):
         seq = choice.seq
         ttft = choice.first - started if choice.first is not None else None
         tokens = len(result.token_ids)
-        state.metrics.on_request(ttft, choice.itl, at - started, seq.prompt_len, tokens, result.finish_reason)
+        state.metrics.on_request(
+            ttft, choice.itl, at - started, seq.prompt_len, tokens, result.finish_reason, seq.stats.cached_tokens
+        )
         client = ClientSide(ttft, at - started, load, prompts[choice.index // body.choices()])
         for hook in state.on_finish:
             try:

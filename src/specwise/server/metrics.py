@@ -104,6 +104,11 @@ class Metrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(model_name)
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(model_name)
+        # vLLM's prefix-cache pair, in tokens: a prompt's start read from its slot's rows (Engine._admit) is a hit
+        self.cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.").labels(
+            model_name
+        )
+        self.cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens read from the cache.").labels(model_name)
         self.finished = counter("vllm:request_success", "Finished requests by finish reason.", ("finished_reason",))
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", m, buckets=LATENCY_BUCKETS, registry=r
@@ -174,6 +179,7 @@ class Metrics:
         prompt_tokens: int,
         generation_tokens: int,
         finish_reason: str,
+        cached_tokens: int = 0,
     ) -> None:
         if ttft is not None:
             self.ttft.observe(ttft)
@@ -181,6 +187,8 @@ class Metrics:
             self.itl.observe(x)
         self.e2e.observe(e2e)
         self.prompt_tokens.inc(prompt_tokens)
+        self.cache_queries.inc(prompt_tokens)
+        self.cache_hits.inc(cached_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.finished.labels(self.model_name, finish_reason).inc()
 
