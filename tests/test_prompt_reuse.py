@@ -79,9 +79,10 @@ def test_a_prompt_takes_the_slot_holding_its_start_and_other_tenants_start_afres
 
 
 def test_predict_counts_the_start_a_draft_models_rows_hold_as_the_engine_reuses_it(embedded):
-    """`cached_starts` (what `specwise predict` leaves out of a draft model's catch-up) equals what the draft's own
-    cache held when the engine asked it for its first draft of each request."""
-    from specwise.engine.replay import cached_starts
+    """`DraftRows` (what `specwise predict` leaves out of a draft model's catch-up) equals what the draft's own cache
+    held when the engine asked it for its first draft of each request — and a request it never drafted for leaves
+    the older rows."""
+    from specwise.engine.replay import DraftRows
 
     engine = Engine(embedded, drafter="layerskip:20", k=4, max_batch=1)
     drafter = engine.drafter
@@ -95,8 +96,16 @@ def test_predict_counts_the_start_a_draft_models_rows_hold_as_the_engine_reuses_
     drafter.propose = first_drafts
     prompts = [chat(q) for q in [*QUESTIONS, QUESTIONS[-1]]]  # the last one twice in a row
     results = [run(engine, [p], GREEDY)[0] for p in prompts]
-    requests = [("", engine.encode_prompt(p), r.token_ids) for p, r in zip(prompts, results, strict=True)]
-    assert held == cached_starts(requests, 1)
-    assert held[0] == 0 and all(h > 10 for h in held[1:]) and held[-1] == len(requests[-1][1])
-    assert cached_starts([("a", [1, 2, 3], [4]), ("b", [1, 2, 3], [4]), ("a", [1, 2, 5], [6])], 1) == [0, 0, 2]
-    assert cached_starts([("a", [1, 2], [3, 4]), ("a", [7], [8]), ("a", [1, 2, 3, 9], [1])], 2) == [0, 0, 3]
+    rows, predicted = DraftRows(1), []
+    for p, r in zip(prompts, results, strict=True):
+        ids = engine.encode_prompt(p)
+        predicted.append(rows.held("", ids))
+        rows.fed("", ids + r.token_ids[:-1])
+    assert held == predicted
+    assert held[0] == 0 and all(h > 10 for h in held[1:]) and held[-1] == len(engine.encode_prompt(prompts[-1]))
+    rows = DraftRows(2)
+    rows.fed("a", [1, 2, 3])
+    rows.fed("a", [7])
+    assert (rows.held("a", [1, 2, 3, 9]), rows.held("a", [1, 2, 5]), rows.held("b", [1, 2, 3])) == (3, 2, 0)
+    rows.fed("a", [8])  # two slots: the oldest rows are gone
+    assert rows.held("a", [1, 2, 3, 9]) == 0

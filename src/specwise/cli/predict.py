@@ -350,8 +350,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     from specwise.engine.replay import (
         AdaptiveRule,
         DraftPassCost,
+        DraftRows,
         DraftRule,
-        cached_starts,
         can_guess,
         draft_pass_seconds,
         greedy_guesses,
@@ -397,9 +397,8 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     replays = []
     fixed = [k for k in ks if isinstance(k, int)]
     load_of = {ld.name: ld.value for ld in plan.loads}
-    # the prompt's start a draft model's rows held from the tenant's earlier requests (the engine reuses them)
-    runs = [(phase_history(r.load, r.repeat), prompts[r.task_id], r.tokens or []) for r in ordered]
-    cached = dict(zip([r.key for r in ordered], cached_starts(runs, engine.max_batch), strict=True))
+    # a draft model's rows: a prompt's start they hold from its tenant's earlier requests is not caught up on
+    rows_of = {k: DraftRows(engine.max_batch) for k in [*fixed, "auto"]}
     drafter = make_drafter(spec, target, 1, engine.cache_len)
     name, batched = drafter.name, isinstance(drafter, ModelDrafter)
     guessing = isinstance(drafter, ModelDrafter) and can_guess(drafter) and plan.temperature == 0
@@ -426,18 +425,15 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
         for r in ordered:
             assert r.tokens is not None  # baseline_records checked
             guesses = guesses_of[r.key] = greedy_guesses(drafter, prompts[r.task_id], r.tokens)
+            tenant = phase_history(r.load, r.repeat)
             for k in fixed:
                 limit = limits[r.task_id]
                 fixed_rule = DraftRule(k, limit, engine.max_len)
-                out = replay_guesses(
-                    guesses,
-                    prompts[r.task_id],
-                    r.tokens,
-                    fixed_rule,
-                    pass_cost,
-                    guesses_alone and alone[r.load],
-                    cached[r.key],
-                )
+                held = rows_of[k].held(tenant, prompts[r.task_id])
+                alone_r = guesses_alone and alone[r.load]
+                out = replay_guesses(guesses, prompts[r.task_id], r.tokens, fixed_rule, pass_cost, alone_r, held)
+                if out.counts.drafted:
+                    rows_of[k].fed(tenant, prompts[r.task_id] + r.tokens[:-1])
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
     else:
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
@@ -504,6 +500,22 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
         output_length: float | None = None  # the engine's moving mean of finished requests' output lengths
+        if guessing:  # the run's warm-up request went through the engine first: the prior and mean it left there
+            assert isinstance(drafter, ModelDrafter)
+            warm_ids = engine.encode_prompt(WARM_UP[0])
+            warm_out = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
+            rule = AdaptiveRule(model, name, 0.5, 1, DraftRule(DEFAULT_K_MAX, WARM_UP[1], engine.max_len))
+            warmed = replay_guesses(
+                greedy_guesses(drafter, warm_ids, warm_out.token_ids),
+                warm_ids,
+                warm_out.token_ids,
+                rule,
+                pass_cost,
+                guesses_alone,
+            )
+            prior = next_prior(None, warmed.counts)
+            if warm_out.finish_reason in ("stop", "length"):
+                output_length = recent_mean(None, len(warm_out.token_ids))
         for r in ordered:
             assert r.tokens is not None
             limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
@@ -511,15 +523,12 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 model, name, 0.5 if prior is None else prior, int(load_of[r.load]), limit, output_length
             )
             if guessing:
-                out = replay_guesses(
-                    guesses_of[r.key],
-                    prompts[r.task_id],
-                    r.tokens,
-                    rule,
-                    pass_cost,
-                    guesses_alone and rule.rows == 1,
-                    cached[r.key],
-                )
+                tenant = phase_history(r.load, r.repeat)
+                held = rows_of["auto"].held(tenant, prompts[r.task_id])
+                alone_r = guesses_alone and rule.rows == 1
+                out = replay_guesses(guesses_of[r.key], prompts[r.task_id], r.tokens, rule, pass_cost, alone_r, held)
+                if out.counts.drafted:  # what the draft fed: the prompt and the output up to its last draft
+                    rows_of["auto"].fed(tenant, (prompts[r.task_id] + r.tokens)[: rule.fed])
             else:
                 out = replayed(auto_drafter, r, rule)
                 if layers and rule.rows == 1:

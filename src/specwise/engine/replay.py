@@ -310,20 +310,26 @@ def guessed_passes(guesses: Guesses, prompt_ids: list[int], output_ids: list[int
     return fed
 
 
-def cached_starts(requests: list[tuple[str, list[int], list[int]]], slots: int) -> list[int]:
-    """For requests (tenant, prompt ids, output ids) in the order they ran: how many of each prompt's tokens a
-    draft model's cache rows already held, as the engine reuses them (`Engine._admit`: the free slot holding the
-    longest start of the prompt, its own tenant's; the draft's rows may hold all of it, the target's stop one token
-    short). The rows of the last `slots` requests of the same tenant are the candidates — exact when one request runs
-    at a time, an estimate of which slots are free otherwise."""
-    held: dict[str, list[list[int]]] = {}
-    out = []
-    for tenant, prompt, output in requests:
-        rows = held.setdefault(tenant, [])
-        out.append(max((common_start(r, prompt) for r in rows), default=0))
-        rows.append(prompt + output[:-1])  # every committed token but the last was fed
-        del rows[: -max(slots, 1)]
-    return out
+class DraftRows:
+    """What a draft model's cache rows hold for the next request, as the engine keeps them (`Engine._admit` gives a
+    request the free slot holding the longest start of its prompt, its own tenant's; the draft keeps the tokens it
+    fed there): the rows of the last `slots` requests of a tenant that the draft fed — a request it never drafted
+    for leaves the slot's older rows. Exact when one request runs at a time, an estimate of which slots are free
+    otherwise."""
+
+    def __init__(self, slots: int):
+        self.slots = max(slots, 1)
+        self.rows: dict[str, list[list[int]]] = {}
+
+    def held(self, tenant: str, prompt: list[int]) -> int:
+        """The prompt's first tokens the draft's rows hold (all of them may be: the target's reuse stops one short)."""
+        return max((common_start(r, prompt) for r in self.rows.get(tenant, [])), default=0)
+
+    def fed(self, tenant: str, tokens: list[int]) -> None:
+        """The draft fed `tokens` (prompt and output up to its last draft) for a request of `tenant`."""
+        rows = self.rows.setdefault(tenant, [])
+        rows.append(tokens)
+        del rows[: -self.slots]
 
 
 def replay_guesses(
@@ -341,7 +347,7 @@ def replay_guesses(
     `guessed_passes` counts; the first draft also pays the draft's pass over the prompt (under k=auto every long
     catch-up pays at the prompt pass's rate per token). Under k=auto the rule's costs learn each step's drafting
     time as the engine's do (`CostModel.observe_draft`), priced alone when the rule's batch is one row. `cached`:
-    the prompt's first tokens the draft's cache rows already hold (`cached_starts`), not caught up on."""
+    the prompt's first tokens the draft's cache rows already hold (`DraftRows`), not caught up on."""
     prompt_len = len(prompt_ids)
     caught_up = [False]
     paid = [0.0]  # seconds of catching up: in a batch, a pass the other rows wait for too
@@ -359,7 +365,8 @@ def replay_guesses(
             else:
                 short = max(lag - 1, 0)
         else:
-            catch_up = 0.0 if caught_up[0] else (prompt_len - cached) * per_token
+            rest = guesses.prompt_seconds if not cached else (prompt_len - cached) * per_token
+            catch_up = 0.0 if caught_up[0] else rest
         caught_up[0] = True
         paid[0] += catch_up
         fed = guessed_passes(guesses, prompt_ids, output_ids, p, ke) if alone else [0] * ke
