@@ -69,11 +69,15 @@ def test_serve_drafter_none_is_plain_decoding_as_its_help_says(tiny_dir):
     import httpx
     from test_server import serve_process
 
-    with serve_process("--model", tiny_dir, "--drafter", "none", timeout=120) as url:
-        r = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 4, "temperature": 0}, timeout=60)
+    with serve_process("--model", tiny_dir, "--drafter", "none", "--no-prompt-reuse", timeout=120) as url:
+        body = {"prompt": "ab ab ab ab", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)  # the same prompt: prefilled whole again
     assert r.status_code == 200, r.text
     spec = r.json()["usage"]["speculative"]
     assert spec["drafter"] is None and spec["drafted_tokens"] == 0
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # --no-prompt-reuse
+    assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
     from test_evaluate import cli
 
     shown = cli("generate", "--model", tiny_dir, "--drafter", "none", "--max-new-tokens", "4", "ab", timeout=120)

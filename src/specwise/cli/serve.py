@@ -112,6 +112,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         help=f"prompt tokens a step takes while other requests decode (default {DEFAULT_PREFILL_CHUNK}): smaller keeps "
         "streams smoother when requests arrive, larger gives a lower time to first token",
     )
+    p.add_argument(
+        "--no-prompt-reuse",
+        action="store_true",
+        help="prefill every prompt whole, instead of reading the start it shares with the slot's last request of "
+        "the same API key from the cache (the output is the same either way; only times change)",
+    )
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--device", default="cpu")
     precision_flags(p)
@@ -205,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         verify=args.verify,
     )
+    engine.reuse_prompts = not args.no_prompt_reuse
     for spec in drafters:
         engine.add_drafter(spec)
     name = served_name(args.model, args.served_model_name, target.identity.name)
