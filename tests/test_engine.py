@@ -207,7 +207,7 @@ class FailingDrafter:
     def propose(self, seqs, ks):
         return [Draft([0] * k) for k in ks]
 
-    def release(self, slot):
+    def release(self, slot, keep=False):
         pass
 
     def extra_memory_bytes(self):

@@ -109,3 +109,20 @@ def test_predict_counts_the_start_a_draft_models_rows_hold_as_the_engine_reuses_
     assert (rows.held("a", [1, 2, 3, 9]), rows.held("a", [1, 2, 5]), rows.held("b", [1, 2, 3])) == (3, 2, 0)
     rows.fed("a", [8])  # two slots: the oldest rows are gone
     assert rows.held("a", [1, 2, 3, 9]) == 0
+
+
+def test_with_reuse_off_neither_the_target_nor_a_draft_model_starts_from_earlier_rows(embedded):
+    engine = Engine(embedded, drafter="layerskip:20", k=4, max_batch=1)
+    engine.reuse_prompts = False
+    drafter = engine.drafter
+    held: list[int] = []
+    propose = drafter.propose
+
+    def first_drafts(seqs, ks):
+        held.extend(s.prompt_len + 1 - drafter.lag(s) for s in seqs if len(s.token_ids) == s.prompt_len + 1)
+        return propose(seqs, ks)
+
+    drafter.propose = first_drafts
+    results = [run(engine, [chat(QUESTIONS[0])], GREEDY)[0] for _ in range(2)]
+    assert [r.stats.cached_tokens for r in results] == [0, 0] and held == [0, 0]
+    assert results[0].token_ids == results[1].token_ids

@@ -35,7 +35,6 @@ from specwise.engine.draft_length import (
 )
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters import Draft, Drafter, make_drafter
-from specwise.engine.drafters.draft_model import ModelDrafter
 from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
 from specwise.engine.noise import Noise, fresh_seed
@@ -448,7 +447,7 @@ class Engine:
         numbers whichever pass computed them), and skip prefilling that start — all but the prompt's last token,
         whose logits give the first output token."""
         prompt = seq.token_ids[: seq.prompt_len - 1]
-        reused = {slot: self._reusable(slot, seq.tenant, prompt) for slot in self.free_slots}
+        reused = {slot: self._reusable(slot, seq.tenant, prompt) if self._reuses() else 0 for slot in self.free_slots}
         seq.slot = max(self.free_slots, key=lambda slot: (reused[slot], -slot))
         self.free_slots.remove(seq.slot)
         seq.prefilled = seq.stats.cached_tokens = reused[seq.slot]
@@ -456,14 +455,15 @@ class Engine:
         seq.admitted = self._now()
         seq.stats.queue_time = seq.admitted - seq.submitted
 
+    def _reuses(self) -> bool:
+        """Whether prompts start from the rows their slot's last request left: asked for, on a batch-invariant
+        target (rows are the numbers a fresh prefill computes), with no drafter that reads hidden states."""
+        return self.reuse_prompts and not self.readers and getattr(self.model, "batch_invariant", False)
+
     def _reusable(self, slot: int, tenant: str, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens `slot`'s cache rows already hold for `tenant`."""
         held = self.slot_tokens.get(slot)
-        if held is None or held[0] != tenant or not self.reuse_prompts or self.readers:
-            return 0
-        if not getattr(self.model, "batch_invariant", False):
-            return 0
-        return common_start(held[1], prompt)
+        return 0 if held is None or held[0] != tenant else common_start(held[1], prompt)
 
     def _prefill_chunks(self, busy: bool, pool: list[Sequence]) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) prompt pieces for this pass, in admission order: at most `prefill_chunk` tokens
@@ -780,13 +780,10 @@ class Engine:
         # The rows the cache holds for committed tokens: every prompt token prefilled, and once decoding, every
         # committed token but the last (never fed). A request that failed leaves nothing to reuse.
         fed = len(seq.token_ids) - 1 if seq.prefilled == seq.prompt_len else seq.prefilled
-        keep = seq.finish_reason != "error"
+        keep = seq.finish_reason != "error" and self._reuses()
         self.slot_tokens[seq.slot] = (seq.tenant, seq.token_ids[:fed] if keep else [])
         for drafter in self.drafters.values():  # a slot's next request may use another drafter
-            if keep and isinstance(drafter, ModelDrafter):  # its own cache's rows stay valid too
-                drafter.release(seq.slot, keep=True)
-            else:
-                drafter.release(seq.slot)
+            drafter.release(seq.slot, keep)
 
     # --- measurement ----------------------------------------------------------------------------------------
 

@@ -48,8 +48,10 @@ class Drafter(Protocol):
         """At most ks[i] draft tokens for seqs[i] (fewer, even none, when it has nothing good to offer)."""
         ...
 
-    def release(self, slot: int) -> None:
-        """The sequence in `slot` finished; forget its state."""
+    def release(self, slot: int, keep: bool = False) -> None:
+        """The sequence in `slot` finished; forget its state — except, with `keep`, what a cache of the drafter's own
+        holds for the slot's tokens (the engine reuses a prompt's start: the next request that begins with them
+        catches up from where they end)."""
         ...
 
     def extra_memory_bytes(self) -> int:

@@ -127,8 +127,6 @@ class ModelDrafter:
             self.vocab.admit(slot, prompt_ids)
 
     def release(self, slot: int, keep: bool = False) -> None:
-        """`keep` (the engine reuses the slot's rows): the next request that begins with the tokens
-        this cache holds for the slot catches up from where they end."""
         if not keep:
             self.seen.pop(slot, None)
         if self.vocab is not None:

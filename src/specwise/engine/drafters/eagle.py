@@ -61,7 +61,7 @@ class EagleDrafter:
             "precision": self.runner.precision,
         }
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, keep: bool = False) -> None:  # never kept: the engine reuses nothing beside a head
         self.done.pop(slot, None)
         self.feats.pop(slot, None)
 

@@ -53,7 +53,7 @@ class NgramDrafter:
     def provenance(self, target_sha256: str) -> dict:
         return {"name": self.name, "derived_from": None}  # no weights: proposals come from the text alone
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, keep: bool = False) -> None:
         pass
 
     def extra_memory_bytes(self) -> int:

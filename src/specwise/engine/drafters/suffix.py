@@ -158,7 +158,7 @@ class SuffixDrafter:
             out.append(Draft(theirs if len(theirs) > len(mine) else mine))
         return out
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, keep: bool = False) -> None:  # no cache of its own: nothing to keep
         """The request in `slot` finished: its output joins its tenant's history (only requests this drafter
         served; a request that opted out leaves nothing behind)."""
         state = self.local.pop(slot, None)
