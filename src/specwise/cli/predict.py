@@ -417,6 +417,9 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
     # a request in flight alone drafts alone: a draft model then also feeds guesses of its draft's continuation
     alone = {ld.name: ld.kind == "concurrent" and ld.value == 1 for ld in plan.loads}
     guesses_alone = isinstance(drafter, ModelDrafter) and drafter.guess
+    # The run's warm-up request, which went through each configuration's engine before its measured ones.
+    warm_ids = engine.encode_prompt(WARM_UP[0])
+    warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
     if guessing:
         # a greedy draft model: one pass over each output, every k replayed from it
         assert isinstance(drafter, ModelDrafter)
@@ -437,8 +440,6 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
                 replays.append(Replay(r.key, k, out.counts, out.open_steps, out.catch_up))
     else:
         # The run's warm-up request went through the drafter first (a suffix drafter's history holds it).
-        warm = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
-        warm_ids = engine.encode_prompt(WARM_UP[0])
         # A trained head reads the target's hidden states: one target pass over each output gives them (the rows
         # the run's passes handed it), and its drafted token's price is timed on the warm-up request.
         layers = getattr(drafter, "feature_layers", ())
@@ -499,23 +500,14 @@ def _replay(setup: PredictSetup, spec: str, measured, records, ks):
             fed = sum(g.prompt_seconds for g in guesses_of.values()) * scale
             model.catch_up_per_token = {name: fed / max(sum(r.prompt_tokens for r in ordered), 1)}
         prior: float | None = None
-        output_length: float | None = None  # the engine's moving mean of finished requests' output lengths
-        if guessing:  # the run's warm-up request went through the engine first: the prior and mean it left there
+        # the engine's moving mean of finished requests' output lengths, the run's warm-up request the first
+        output_length = recent_mean(None, len(warm.token_ids)) if warm.finish_reason in ("stop", "length") else None
+        if guessing:  # … and the acceptance prior the warm-up's drafting left there
             assert isinstance(drafter, ModelDrafter)
-            warm_ids = engine.encode_prompt(WARM_UP[0])
-            warm_out = engine.generate([WARM_UP[0]], SamplingParams(max_new_tokens=WARM_UP[1]))[0]
             rule = AdaptiveRule(model, name, 0.5, 1, DraftRule(DEFAULT_K_MAX, WARM_UP[1], engine.max_len))
-            warmed = replay_guesses(
-                greedy_guesses(drafter, warm_ids, warm_out.token_ids),
-                warm_ids,
-                warm_out.token_ids,
-                rule,
-                pass_cost,
-                guesses_alone,
-            )
+            guesses = greedy_guesses(drafter, warm_ids, warm.token_ids)
+            warmed = replay_guesses(guesses, warm_ids, warm.token_ids, rule, pass_cost, guesses_alone)
             prior = next_prior(None, warmed.counts)
-            if warm_out.finish_reason in ("stop", "length"):
-                output_length = recent_mean(None, len(warm_out.token_ids))
         for r in ordered:
             assert r.tokens is not None
             limit = DraftRule(DEFAULT_K_MAX, limits[r.task_id], engine.max_len)
