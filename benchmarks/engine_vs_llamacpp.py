@@ -175,7 +175,7 @@ def run_specwise(engine, ids_prompt: list[dict], n: int) -> dict:
     r = engine.generate([ids_prompt], SamplingParams(max_new_tokens=n))[0]
     s = r.stats
     return {
-        "prompt": s.prompt_tokens,
+        "prompt": s.prompt_tokens - s.cached_tokens,  # the tokens prefilled, as llama-server's prompt_n counts them
         "prefill": s.prefill_time,
         "decoded": s.generated_tokens - 1,
         "decode": s.decode_time,
