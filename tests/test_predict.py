@@ -518,6 +518,30 @@ def test_the_runs_own_timing_noise_is_read_around_its_context_trend():
     assert timing_noise(records(0.10, load="concurrent@4"), alone) == 0.0
 
 
+def test_beside_others_the_timing_noise_leaves_out_the_passes_that_carried_their_prompts():
+    """At concurrency 4 a request's decode holds others' prompt chunks (long gaps, a varying number a request):
+    the noise is read from the rest (a 5% spread here), since a pair's two requests meet others' prompts alike."""
+    import math
+
+    import numpy as np
+
+    from specwise.harness.predict import timing_noise
+    from specwise.harness.store import Record
+
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(300):
+        tokens = int(rng.integers(32, 128))
+        step = 0.005 * math.exp(rng.normal(0, 0.05))
+        gaps = [step] * (tokens - 1)
+        for j in rng.choice(tokens - 1, size=int(rng.integers(0, 12)), replace=False):
+            gaps[j] += 0.05  # a pass that also carried another request's prompt chunk
+        out.append(Record("baseline", "concurrent@4", f"t{i}", 0, ["g"], prompt_tokens=100, output_tokens=tokens,
+                          decode=sum(gaps), itl=gaps))  # fmt: skip
+    assert timing_noise(out, {"concurrent@4"}, 4) == pytest.approx(0.05, rel=0.2)
+    assert timing_noise(out, {"concurrent@4"}) > 0.15  # read as if alone, the chunks would be the noise
+
+
 def test_the_step_overhead_is_fitted_over_every_probe_request_and_never_makes_drafts_free():
     """Least squares over the probe's requests (weighted by steps): an exact line is recovered with no miss; a
     probe whose extra time falls as more is drafted is fitted with no cost per drafted token (the drafted rows'

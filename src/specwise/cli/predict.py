@@ -97,6 +97,7 @@ class Prediction:
     overhead: Any  # harness.predict.StepOverhead
     open_steps: int
     noise: float = 0.0  # the baseline's own timing noise (`harness.predict.timing_noise`), which intervals carry
+    noise_at: dict[float, float] = dataclasses.field(default_factory=dict)  # … at each concurrency above 1
 
 
 def check_predictable(drafter: str, ks: Sequence, sampled: bool) -> None:
@@ -123,11 +124,18 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
     predicted = predicted_run(measured, replays, name, costs, overhead, batched, draft_pass)
     alone = {ld.name for ld in measured.plan.loads if ld.kind == "concurrent" and ld.value == 1}
     noise = timing_noise(records, alone)
+    # a request beside others varies more (whom it shares its steps with changes from run to run): each
+    # concurrency's own spread where the run has enough requests there, else the spread alone
+    at = {
+        ld.value: timing_noise(records, {ld.name}, ld.value) or noise
+        for ld in measured.plan.loads
+        if ld.kind == "concurrent" and ld.value > 1
+    }
 
     def cell_noise(concurrency: float, n: int) -> float:
         """The timing noise an evaluation's cell of n paired requests measures under (its baseline's and its
-        speculative requests' each): what its own interval carries beyond the tasks' spread."""
-        return noise * math.sqrt(2 / max(n, 1))
+        speculative requests' each, at that concurrency): what its own interval carries beyond the tasks' spread."""
+        return at.get(concurrency, noise) * math.sqrt(2 / max(n, 1))
 
     # the verdict predicted is the evaluation's: judged on the interval it is expected to report (the timing noise
     # only — the model's error moves where the point lands, not how wide the evaluation's interval is); the
@@ -140,7 +148,7 @@ def predict(run_path: Path, drafter: str, ks: Sequence[int | str], setup: Predic
         measurement_noise=cell_noise,
         phase_shifts=measured.analysed.phase_noise,
     )
-    return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise)
+    return Prediction(measured, predicted, name, costs, overhead, sum(r.open_steps for r in replays), noise, at)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,10 +182,12 @@ def run(args: argparse.Namespace) -> int:
     p = predict(run_path, args.drafter, args.k, setup)
     o = p.overhead
     errors = f"{o.error:.0%} one at a time" + (f", {o.batch_error:.0%} at concurrency {o.batch}" if o.batch > 1 else "")
-    errors += f"; and the run's own timing noise, {p.noise:.0%} a request (× √(2/n) a cell)"
+    beside = "".join(f", {v:.0%} at concurrency {c:g}" for c, v in sorted(p.noise_at.items()))
+    errors += f"; and the run's own timing noise, {p.noise:.0%} a request alone{beside} (× √(2/n) a cell)"
     text, doc = _summary(p.measured, p.predicted, p.drafter, args.drafter, p.costs, p.open_steps, errors)
     doc["step_overhead"] = p.overhead.to_json()
     doc["timing_noise"] = p.noise
+    doc["timing_noise_at"] = {f"{c:g}": v for c, v in sorted(p.noise_at.items())}
     print(text)
     if args.json:
         write_file(Path(args.json), json.dumps(doc, indent=2) + "\n")

@@ -157,16 +157,21 @@ def baseline_records(run: Run) -> list[Record]:
     return usable
 
 
-def timing_noise(records: list[Record], alone: set[str]) -> float:
+def timing_noise(records: list[Record], loads: set[str], concurrency: float = 1.0) -> float:
     """How much a request's timing varies on this machine beyond what its length explains, from the baseline run
-    itself: the robust spread (MAD × 1.4826) of log seconds per decoded token at the loads named in `alone` (those
-    of concurrency 1) around a line in context length. An evaluation measures every cell under the same noise, so a
-    predicted interval for what it will measure carries it (0 where the run has too few such requests)."""
-    pts = [
-        (r.prompt_tokens + r.output_tokens / 2, math.log(r.decode / (r.output_tokens - 1)))
-        for r in records
-        if r.load in alone and r.decode and r.output_tokens > 8
-    ]
+    itself: the robust spread (MAD × 1.4826) of log seconds per decoded token at the `loads` named (all of one
+    `concurrency`) around a line in context length. An evaluation measures every cell under the same noise, so a
+    predicted interval for what it will measure carries it (0 where the run has too few such requests). Beside
+    other requests, the passes that carried their prompt chunks (`gap_interference`) are left out: a pair's two
+    requests meet the same prompts, so those seconds cancel in its ratio rather than widen it."""
+    pts = []
+    for r in records:
+        if r.load not in loads or not r.decode or r.output_tokens <= 8:
+            continue
+        chunks = gap_interference(r, concurrency)
+        if chunks is None or chunks >= r.decode:
+            continue
+        pts.append((r.prompt_tokens + r.output_tokens / 2, math.log((r.decode - chunks) / (r.output_tokens - 1))))
     if len(pts) < 8:
         return 0.0
     x, y = np.array(pts).T
