@@ -229,6 +229,53 @@ class FrozenCosts(CostModel):
         pass
 
 
+def test_the_draft_floor_follows_what_a_drafted_token_costs_against_the_steps_rate():
+    """One more drafted token pays only where its chance of acceptance beats its cost × the step's tokens per
+    second: a dearer draft raises the floor, a free one has none, and none is set before costs are measured."""
+    from specwise.engine.draft_length import draft_floor
+
+    cheap, dear = FrozenCosts(), FrozenCosts()
+    cheap.draft_per_token, dear.draft_per_token = {"d": 0.01}, {"d": 0.3}
+    a, b = AdaptiveK(cheap, k_max=8, drafter="d"), AdaptiveK(dear, k_max=8, drafter="d")
+    assert 0 < draft_floor(cheap, a, 3) < draft_floor(dear, b, 3) <= 1
+    free = FrozenCosts(per_token=0.0)
+    free.draft_per_token = {None: 0.0}
+    assert draft_floor(free, AdaptiveK(free, k_max=8), 3) == 0.0
+    assert draft_floor(CostModel(), AdaptiveK(CostModel(), k_max=8), 3) == 0.0  # nothing measured yet
+    assert draft_floor(cheap, a, 0) == 0.0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_lone_rows_draft_stops_on_its_confidence_and_changes_no_output(tiny, tiny_dir, sampled):
+    """k=auto, one row drafting: the draft model (the target itself: always accepted, so adaptive k drafts long)
+    stops after a token it gave less probability than the floor (a random model is unsure of most), so it drafts
+    less than with all k — and greedy or seeded coupled outputs are plain decoding's either way."""
+    params = (
+        SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
+        if sampled
+        else SamplingParams(max_new_tokens=24, ignore_eos=True)
+    )
+    plain = [r.token_ids for r in Engine(tiny, max_batch=1).generate(PROMPTS, params)]
+    runs = {}
+    for confident in (True, False):
+        engine = Engine(tiny, drafter=f"model:{tiny_dir}", k="auto", max_batch=1, verify="coupled")
+        engine.costs, engine.confident_drafts = FrozenCosts(), confident
+        stops: list[bool] = []
+        propose = engine.drafter.propose
+
+        def proposing(seqs, ks, propose=propose, stops=stops):  # type: ignore[no-untyped-def]
+            out = propose(seqs, ks)
+            stops.extend(d.stopped for d in out)
+            return out
+
+        engine.drafter.propose = proposing  # type: ignore[method-assign]
+        results = engine.generate(PROMPTS, params)
+        assert [r.token_ids for r in results] == plain, confident
+        runs[confident] = (sum(r.stats.drafted for r in results), any(stops))
+    assert runs[True][1] and not runs[False][1]
+    assert runs[True][0] < runs[False][0]
+
+
 def test_adaptive_k_grows_with_acceptance_and_decays_without():
     good, bad = AdaptiveK(FrozenCosts(), k_max=8), AdaptiveK(FrozenCosts(), k_max=8)
     for _ in range(20):

@@ -312,6 +312,38 @@ def test_the_passes_a_draft_model_drafting_alone_takes_are_replayed_as_it_drafts
     assert exact > 0 and saved > 0  # drafts the output's own, and drafts whose guesses saved passes
 
 
+@pytest.mark.parametrize("spec", ["int8", "model@1024"])
+def test_a_draft_stopped_by_its_confidence_is_replayed_where_the_drafter_stops(embedded, spec):
+    """Under a draft floor the drafter stops after a token it gave less probability than the floor; the replay
+    reads the same probabilities from its one pass (`Guesses.confidence`) and cuts every draft that is the output's
+    own up to its last token at the same length — for every floor, drafting alone with its guesses."""
+    from specwise.engine.replay import ReplayView, greedy_guesses
+
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    plain = Engine(embedded, max_batch=1)
+    drafter = make_drafter(_drafter(spec), embedded, 1, plain.cache_len)
+    compared = stopped = 0
+    for prompt in PROMPTS:
+        ids, out = plain.encode_prompt(prompt), plain.generate(prompt, params)[0].token_ids
+        guesses = greedy_guesses(drafter, ids, out)
+        assert len(guesses.confidence) == len(out) and all(0 < c <= 1 for c in guesses.confidence[1:])
+        for floor in (0.3, 0.7, 0.95):
+            view = ReplayView(0, list(ids), len(ids), draft_floor=floor)
+            for p in range(1, len(out) - 1):
+                view.token_ids = [*ids, *out[:p]]
+                draft = drafter.propose([view], [8])[0]
+                n = len(draft.tokens)
+                assert draft.stopped or n == 8  # the 8th may have crossed the floor too
+                # the output's own up to its last token, within the output: exact there
+                if p + n <= len(out) and draft.tokens[:-1] == out[p : p + n - 1]:
+                    assert n == guesses.drafted(p, 8, floor), (prompt, floor, p)
+                    compared += 1
+                    stopped += draft.stopped
+            drafter.release(0)
+    assert compared > 0 and stopped > 0
+    assert guesses.drafted(1, 8, 0.0) == 8  # no floor: all k
+
+
 def test_predict_measures_its_baseline_first_and_only_once(tmp_path):
     """Without --from-run the baseline of the workload is measured first into --out, then predicted from; a second
     prediction on the same settings reads that run instead of measuring again, and one on other settings is refused

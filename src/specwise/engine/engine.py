@@ -27,6 +27,7 @@ from specwise.engine.draft_length import (
     AdaptiveK,
     CostModel,
     FixedK,
+    draft_floor,
     holds_catch_up,
     next_prior,
     plan_batch,
@@ -128,6 +129,7 @@ class Sequence:
     history: bool = True  # may draft from, and add to, drafters' cross-request history (suffix)
     tenant: str = ""  # whose history that is (the server: the API key a request came with)
     verify: str = VERIFY_METHODS[0]  # how sampled drafts are verified
+    draft_floor: float = 0.0  # this step's: a draft model stops below it (`draft_length.draft_floor`)
     logprobs: list[TokenLogprob] | None = None
     slot: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
@@ -203,6 +205,7 @@ class Engine:
         # prompt of the same tenant that begins with them is read from where they end (`_admit`)
         self.slot_tokens: dict[int, tuple[str, list[int]]] = {}
         self.reuse_prompts = True  # False: every prompt prefilled whole (benchmarks/prompt_reuse.py compares)
+        self.confident_drafts = True  # False: k=auto drafts all k whatever the draft's confidence (a benchmark's A/B)
         self._ids = itertools.count()
 
     def add_drafter(self, drafter: str | Drafter) -> Drafter:
@@ -523,7 +526,9 @@ class Engine:
             spent = self._now() - td
             one_off = float(getattr(self.drafters[name], "one_off_seconds", 0.0))
             passes = getattr(self.drafters[name], "passes", None)
-            self.costs.observe_draft(max(ks[i] for i in idx), max(spent - one_off, 0.0), name, len(idx), passes)
+            # per token asked for, or drafted where a draft stopped short on its confidence (fewer passes ran)
+            drafted = max(len(d.tokens) if d.stopped else ks[i] for i, d in zip(idx, proposed, strict=True))
+            self.costs.observe_draft(drafted, max(spent - one_off, 0.0), name, len(idx), passes)
             self.costs.observe_catch_up(int(getattr(self.drafters[name], "one_off_tokens", 0)), one_off, name)
             for i in idx:
                 draft_time[i] = spent
@@ -657,6 +662,11 @@ class Engine:
         self._hold_catch_ups(seqs, ks)
         drafting = [i for i, k in enumerate(ks) if k > 0]
         adaptive = [c for i in drafting if isinstance(c := seqs[i].controller, AdaptiveK)]
+        for s in seqs:
+            s.draft_floor = 0.0
+        if len(drafting) == 1 and adaptive and self.confident_drafts:  # a lone row: its drafter's passes are its own
+            i = drafting[0]
+            seqs[i].draft_floor = draft_floor(self.costs, adaptive[0], ks[i])
         if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
             return ks
         planned = plan_batch(

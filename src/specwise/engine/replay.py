@@ -34,6 +34,7 @@ from specwise.engine.draft_length import (
     CATCH_UP_FREE,
     AdaptiveK,
     CostModel,
+    draft_floor,
     holds_catch_up,
     plan_batch,
     remaining_tokens,
@@ -62,6 +63,7 @@ class ReplayView:
     verify: str = "coupled"
     history: bool = True
     tenant: str = ""
+    draft_floor: float = 0.0
 
 
 @dataclass
@@ -119,6 +121,10 @@ class AdaptiveRule:
             planned = plan_batch([(self.controller.alpha, k, self.drafter)] * self.rows, 0, self.costs)
             k = k if planned is None else planned[0]
         return k
+
+    def floor(self, k: int) -> float:
+        """The draft floor the engine gives a row drafting k alone (`draft_length.draft_floor`); 0 in a batch."""
+        return draft_floor(self.costs, self.controller, k) if self.rows == 1 else 0.0
 
     def observe(self, prompt_len: int, p: int, drafted: int, accepted: int) -> None:
         """A step at output position p drafted `drafted` and had `accepted` of them accepted."""
@@ -182,6 +188,7 @@ def replay(
             end = len(view.token_ids) - 1  # the pending token's features come from the pass that verifies
             reader(slot, handed[0], features[handed[0] : end])
             handed[0] = end
+        view.draft_floor = rule.floor(ke) if isinstance(rule, AdaptiveRule) else 0.0
         t0 = time.perf_counter()
         draft = drafter.propose([view], [ke])[0].tokens
         paid[0] += float(getattr(drafter, "one_off_seconds", 0.0))
@@ -234,6 +241,16 @@ class Guesses:
 
     tokens: list[int]  # tokens[j]: its greedy token after prompt + output[:j], j = 1 … n-1 (tokens[0] unused)
     prompt_seconds: float = 0.0
+    confidence: list[float] = field(default_factory=list)  # … and the probability it gave that token (1: unknown)
+
+    def drafted(self, p: int, k: int, floor: float) -> int:
+        """How many of k tokens a draft at output position p proposes under a draft floor (`ModelDrafter._walk`):
+        up to the first it gave less probability than the floor. Exact up to the draft's first miss (its context
+        there is the output's); past it the probabilities after the output's own prefixes stand in for the draft's."""
+        for j in range(k if floor > 0 else 0):
+            if p + j < len(self.confidence) and self.confidence[p + j] < floor:
+                return j + 1
+        return k
 
 
 def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: list[int]) -> Guesses:
@@ -243,6 +260,7 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
     tokens = [*prompt_ids, *output_ids[:-1]]
     first = len(prompt_ids)  # the row of output[0]: its logits guess output[1]
     guesses = [-1]
+    confidence = [1.0]
     prompt_seconds = 0.0
     dev = drafter.device
     drafter.admit(0, prompt_ids)  # what a speculative run's draft scores for this request
@@ -261,8 +279,10 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
             prompt_seconds += (time.perf_counter() - t0) * max(0, min(first - start, len(chunk))) / len(chunk)
             if rows:
                 guesses += greedy(logits)
+                a = logits.float().numpy()
+                confidence += (1.0 / np.exp(a - a.max(-1, keepdims=True)).sum(-1)).tolist()
     drafter.release(0)
-    return Guesses(guesses, prompt_seconds)
+    return Guesses(guesses, prompt_seconds, confidence)
 
 
 @dataclass(frozen=True)
@@ -356,6 +376,8 @@ def replay_guesses(
         rule.fed = cached
 
     def propose(p: int, ke: int) -> tuple[list[int], float]:
+        if isinstance(rule, AdaptiveRule):  # a lone row's draft stops where its confidence falls below the floor
+            ke = guesses.drafted(p, ke, rule.floor(ke))
         draft = guesses.tokens[p : p + ke]
         catch_up, short = 0.0, 0  # short: unseen tokens beyond the pending one that the first pass feeds in its stride
         if isinstance(rule, AdaptiveRule):  # the prompt and every gap since the last draft

@@ -26,6 +26,7 @@ class SequenceView(Protocol):
     verify: str  # "coupled": draw with the target's Gumbel noise; "rejection": with the drafter's own uniforms
     history: bool  # may draft from, and add to, a drafter's cross-request history (suffix)
     tenant: str  # whose history: requests of different tenants never see each other's outputs
+    draft_floor: float  # stop drafting after a token the draft gave less probability than this (0: never)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None  # None: deterministic proposals (one-hot q)
+    stopped: bool = False  # it stopped short of k: the drafter gave its last token less than the row's draft_floor
 
 
 class Drafter(Protocol):

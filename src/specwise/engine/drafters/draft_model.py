@@ -28,7 +28,7 @@ from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Draft, SequenceView
 from specwise.engine.drafters.ngram import lookup
 from specwise.engine.noise import DRAFT
-from specwise.engine.sampling import draw, greedy, gumbel_argmax, probabilities
+from specwise.engine.sampling import draw, greedy, gumbel_argmax, host, probabilities
 
 S = TypeVar("S")
 # A row with more unseen tokens than this (a new prompt) is fed alone, not padded into a batch: the same number as
@@ -51,6 +51,12 @@ def choose(seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, 
     else:
         token = draw(q, float(seq.noise.uniforms(position, DRAFT)[0]))
     return token, q
+
+
+def confidence(logits: torch.Tensor) -> float:
+    """The probability a draft gives its greedy token: softmax's largest value (in numpy, as `sampling.host`)."""
+    a = host(logits)
+    return 1.0 / float(np.exp(a - a.max()).sum())
 
 
 def chain(
@@ -196,7 +202,7 @@ class ModelDrafter:
             self.one_off_seconds += time.perf_counter() - t0
             self.one_off_tokens += len(toks)
             self._walk(seqs[i], ks[i], logits, [], drafts[i], probs[i])
-            if len(drafts[i].tokens) < ks[i]:
+            if len(drafts[i].tokens) < ks[i] and not drafts[i].stopped:
                 feed[i] = ([drafts[i].tokens[-1]], len(self.seen[seqs[i].slot]))
         # 2. Draft: each pass feeds a row's unseen tokens and then a guess of how the draft goes on (the text's own
         # continuation of its last n-gram, ngram.lookup); the guess's logits are the draft's next steps for as long
@@ -217,7 +223,7 @@ class ModelDrafter:
                 self.seen[slot] += feed[i][0]
                 used = self._walk(seqs[i], ks[i], logits, guesses[i], drafts[i], probs[i])
                 self.seen[slot] += guesses[i][:used]  # the guessed tokens the draft took: their entries are its own
-                if len(drafts[i].tokens) < ks[i]:
+                if len(drafts[i].tokens) < ks[i] and not drafts[i].stopped:
                     nxt[i] = ([drafts[i].tokens[-1]], len(self.seen[slot]))
             feed = nxt
         for d, p in zip(drafts, probs, strict=True):
@@ -238,13 +244,19 @@ class ModelDrafter:
         seq: SequenceView, k: int, logits: torch.Tensor, guess: list[int], draft: Draft, probs: list[np.ndarray]
     ) -> int:
         """Draft tokens from logits (row j: the draft's next distribution after guess[:j]) while the draft picks
-        the guessed token; the number of guessed tokens it took."""
+        the guessed token; the number of guessed tokens it took. Where the row has a draft floor, drafting stops
+        after a token the draft gave less probability than the floor: that token is still proposed (its pass is
+        paid), no further pass runs."""
         j = 0
+        floor = getattr(seq, "draft_floor", 0.0)
         while len(draft.tokens) < k:
             token, q = choose(seq, logits[j], len(draft.tokens))
             draft.tokens.append(token)
             if q is not None:
                 probs.append(q)
+            if floor > 0 and (float(q[token]) if q is not None else confidence(logits[j])) < floor:
+                draft.stopped = True
+                break
             if j < len(guess) and token == guess[j] and j + 1 < len(logits):
                 j += 1
             else:
