@@ -665,8 +665,7 @@ class Engine:
         for s in seqs:
             s.draft_floor = 0.0
         if len(drafting) == 1 and adaptive and self.confident_drafts:  # a lone row: its drafter's passes are its own
-            i = drafting[0]
-            seqs[i].draft_floor = draft_floor(self.costs, adaptive[0], ks[i])
+            seqs[drafting[0]].draft_floor = draft_floor(self.costs, adaptive[0], ks[drafting[0]])
         if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
             return ks
         planned = plan_batch(

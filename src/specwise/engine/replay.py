@@ -42,6 +42,7 @@ from specwise.engine.draft_length import (
 from specwise.engine.draft_vocab import DraftVocab
 from specwise.engine.drafters.base import Drafter
 from specwise.engine.drafters.draft_model import GUESS_NGRAM, ModelDrafter
+from specwise.engine.drafters.draft_model import confidence as draft_confidence
 from specwise.engine.drafters.ngram import lookup
 from specwise.engine.kernels import serial_torch
 from specwise.engine.native import NativeDecoder
@@ -279,8 +280,7 @@ def greedy_guesses(drafter: ModelDrafter, prompt_ids: list[int], output_ids: lis
             prompt_seconds += (time.perf_counter() - t0) * max(0, min(first - start, len(chunk))) / len(chunk)
             if rows:
                 guesses += greedy(logits)
-                a = logits.float().numpy()
-                confidence += (1.0 / np.exp(a - a.max(-1, keepdims=True)).sum(-1)).tolist()
+                confidence += draft_confidence(logits).tolist()
     drafter.release(0)
     return Guesses(guesses, prompt_seconds, confidence)
 

@@ -53,10 +53,11 @@ def choose(seq: SequenceView, logits: torch.Tensor, drafted: int) -> tuple[int, 
     return token, q
 
 
-def confidence(logits: torch.Tensor) -> float:
-    """The probability a draft gives its greedy token: softmax's largest value (in numpy, as `sampling.host`)."""
+def confidence(logits: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The probability a draft gives its greedy token after each row of (..., V) logits: softmax's largest value,
+    in numpy (`sampling.host`). The drafter's stop and the replay's (`replay.greedy_guesses`) both read it here."""
     a = host(logits)
-    return 1.0 / float(np.exp(a - a.max()).sum())
+    return 1.0 / np.exp(a - a.max(-1, keepdims=True)).sum(-1)
 
 
 def chain(
@@ -248,13 +249,13 @@ class ModelDrafter:
         after a token the draft gave less probability than the floor: that token is still proposed (its pass is
         paid), no further pass runs."""
         j = 0
-        floor = getattr(seq, "draft_floor", 0.0)
+        floor = seq.draft_floor
         while len(draft.tokens) < k:
             token, q = choose(seq, logits[j], len(draft.tokens))
             draft.tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if floor > 0 and (float(q[token]) if q is not None else confidence(logits[j])) < floor:
+            if floor > 0 and float(q[token] if q is not None else confidence(logits[j])) < floor:
                 draft.stopped = True
                 break
             if j < len(guess) and token == guess[j] and j + 1 < len(logits):
