@@ -16,6 +16,7 @@ import torch
 from specwise.engine import Engine, SamplingParams, load_target
 from specwise.engine.draft_length import AdaptiveK, CostModel
 from specwise.engine.drafters import Draft
+from specwise.engine.request import RequestOptions
 
 COPYING = "one two three four five six seven, one two three four five six seven, one two three four five six seven, one"
 PROMPTS = [
@@ -388,6 +389,48 @@ def test_a_catch_up_is_paid_only_where_perfect_acceptance_could_win_it_back():
     flat = FrozenCosts(per_token=1.0)
     assert not repays_catch_up(flat, None, rows=4, k_max=8, remaining=1000, catch_up=0.01)
     assert repays_catch_up(CostModel(), None, rows=4, k_max=8, remaining=10, catch_up=100.0)  # unmeasured: try
+
+
+def test_drafts_are_trimmed_to_what_the_rows_that_draft_nothing_allow():
+    """What drafts add to a pass stays within the smallest allowance of the rows drafting nothing, the token least
+    likely to be accepted cut first; fixed k is left as asked, and a pass whose rows all draft is not trimmed."""
+    from specwise.engine.draft_length import fit_slowdown
+
+    def growth(ks):  # a drafted token adds 0.1 s to the pass
+        return 0.1 * sum(ks)
+
+    assert fit_slowdown([4, 4], [True, True], [0.9, 0.5], [0.0, 0.0], growth) == [4, 4]  # nobody to protect
+    beside = fit_slowdown([4, 4, 0], [True, True, True], [0.9, 0.5, 0.5], [1.0, 1.0, 0.25], growth)
+    assert beside == [2, 0, 0]  # 0.25 s allows two tokens; the likelier row keeps them
+    # a row trimmed to nothing is protected in turn: its own allowance (none) then stops the other's drafts
+    assert fit_slowdown([4, 4, 0], [True, True, True], [0.9, 0.5, 0.5], [1.0, 0.0, 0.25], growth) == [0, 0, 0]
+    assert fit_slowdown([4, 0], [False, True], [1.0, 1.0], [0.0, 0.0], growth) == [4, 0]  # fixed k as asked
+
+
+def test_a_row_that_drafts_nothing_is_not_slowed_beyond_its_allowance(tiny, tiny_dir):
+    """A plain request beside a k=auto one whose drafts are always accepted: with no allowance the other's drafts
+    wait until it has finished (it is charged nothing), without a bound they run beside it (it is charged their
+    cost, the drafting one is credited its accepted tokens); the outputs are plain decoding's either way."""
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True), SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    plain = [r.token_ids for r in Engine(tiny, max_batch=2).generate(PROMPTS[:2], params)]
+    out = {}
+    for bound in (0.0, math.inf):
+        engine = Engine(tiny, drafter=f"model:{tiny_dir}", k="auto", max_batch=2)
+        engine.costs, engine.max_slowdown = FrozenCosts(), bound
+        # the plain one first: its prompt is read alone, the other's beside its decoding (prompts are not protected)
+        engine.enqueue(engine.prepare(PROMPTS[1], params[1], RequestOptions(speculative=False), request_id="plain"))
+        engine.enqueue(engine.prepare(PROMPTS[0], params[0], request_id="drafts"))
+        results, balance = {}, {}
+        while engine.has_work:
+            running = {s.request_id: s for s in engine.running}
+            for event in engine.step():
+                if event.finished:
+                    results[event.request_id] = event.result
+                    balance[event.request_id] = running[event.request_id].balance
+        assert [results["drafts"].token_ids, results["plain"].token_ids] == plain
+        out[bound] = (results["drafts"].stats.drafted, balance["plain"], balance["drafts"])
+    assert out[0.0] == (0, 0.0, 0.0)
+    assert out[math.inf][0] > 0 and out[math.inf][1] < 0 < out[math.inf][2]
 
 
 class LaggingDrafter(FailingDrafter):

@@ -887,6 +887,8 @@ def test_serve_takes_its_policy_from_an_evaluation_run(http_run, tiny_dir, tmp_p
         (["--api-key", "a b"], "may not hold spaces"),
         (["--allowed-hosts", " , "], "--allowed-hosts is empty"),
         (["--max-connections", "0"], "--max-connections 0 is not allowed"),
+        (["--max-slowdown", "-0.1"], "--max-slowdown -0.1 is not allowed"),
+        (["--max-slowdown", "nan"], "--max-slowdown nan is not allowed"),
     ],
 )
 def test_bad_serve_flags(tiny_dir, args, needle):

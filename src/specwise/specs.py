@@ -25,6 +25,9 @@ DEFAULT_MAX_LEN = 2048  # context length in tokens when neither the flag nor the
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens a pass takes while other sequences decode
 DEFAULT_MAX_QUEUE = 64  # requests waiting beyond the running batch before the server answers 429
 DEFAULT_MAX_BATCH = 8  # sequences in the running batch
+# What drafts may cost a request that drafts nothing in a pass, beyond what speculation has saved it, as a share of
+# its time in the engine so far (k=auto rows' drafts are trimmed to fit: `Engine._fit_slowdown`; issue 33's bound).
+DEFAULT_MAX_SLOWDOWN = 0.03
 DEFAULT_POLICY_HIGH = 4  # the auto policy stops drafting above this many running + waiting requests
 MODEL_CONTEXT_FALLBACK = 2048  # a model's context when its files state none
 HARNESS_MAX_LEN = 1536  # the in-process backend's context: room for the workloads' prompts and answers

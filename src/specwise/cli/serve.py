@@ -15,6 +15,7 @@ from specwise.specs import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_SLOWDOWN,
     DEFAULT_POLICY_HIGH,
     DEFAULT_PREFILL_CHUNK,
     DRAFTER_HELP,
@@ -113,6 +114,14 @@ def add(sub: argparse._SubParsersAction) -> None:
         "streams smoother when requests arrive, larger gives a lower time to first token",
     )
     p.add_argument(
+        "--max-slowdown",
+        type=float,
+        default=DEFAULT_MAX_SLOWDOWN,
+        help="what drafts may cost a request that drafts nothing, beyond what speculation has saved it, as a share "
+        f"of its time in the engine (default {DEFAULT_MAX_SLOWDOWN}: k=auto drafts are trimmed to fit; 'inf': drafts "
+        "only have to pay for the pass, for the most tokens per second)",
+    )
+    p.add_argument(
         "--no-prompt-reuse",
         action="store_true",
         help="prefill every prompt whole, instead of reading the start it shares with the slot's last request of "
@@ -166,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecwiseError(f"--port {args.port} is not allowed: give 0..65535")
     if args.max_queue < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
         raise SpecwiseError("--max-queue, --max-batch and --prefill-chunk must be ≥ 1")
+    if not args.max_slowdown >= 0:  # NaN too
+        raise SpecwiseError(f"--max-slowdown {args.max_slowdown} is not allowed: give a share ≥ 0 (0.03 is 3%) or inf")
     if args.max_body < 1024:
         raise SpecwiseError(f"--max-body {args.max_body} is too small: allow at least 1024 bytes")
     if args.max_connections < 1:
@@ -212,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
     )
     engine.reuse_prompts = not args.no_prompt_reuse
+    engine.max_slowdown = args.max_slowdown
     for spec in drafters:
         engine.add_drafter(spec)
     name = served_name(args.model, args.served_model_name, target.identity.name)

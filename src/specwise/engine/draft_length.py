@@ -13,8 +13,10 @@ has not seen — a new prompt, or the output since it last drafted — which cos
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 from specwise.speccounts import SpecCounts
 from specwise.specs import DEFAULT_K_MAX
@@ -317,3 +319,41 @@ def plan_batch(rows: list[tuple[float, int, str | None]], plain: int, costs: Cos
         ks[best] += 1
         longest[rows[best][2]], drafting[rows[best][2]] = k_after, n_after
         tokens, expected, seconds = tokens + 1, expected + gain, seconds + extra
+
+
+def draft_growth(
+    costs: CostModel, tokens: int, ks: list[int], drafters: list[str | None], catch_ups: list[float]
+) -> float:
+    """Seconds the drafts `ks` (one per decoding row, drafted by `drafters`) add to a pass of `tokens` tokens without
+    them: the pass's extra rows, each drafter's call for its rows (`draft_cost`) and the catch-ups (`catch_ups`,
+    seconds, counted for rows that draft) — what every row of the pass waits for, drafting or not."""
+    drafted = sum(ks)
+    if drafted == 0:
+        return 0.0
+    grow = (costs.pass_cost(tokens + drafted) or 0.0) - (costs.pass_cost(tokens) or 0.0)
+    for name in {d for d, k in zip(drafters, ks, strict=True) if k > 0}:
+        mine = [k for d, k in zip(drafters, ks, strict=True) if d == name and k > 0]
+        grow += costs.draft_cost(max(mine), name, len(mine)) or 0.0
+    return grow + sum(c for c, k in zip(catch_ups, ks, strict=True) if k > 0)
+
+
+def fit_slowdown(
+    ks: list[int],
+    trimmable: list[bool],
+    alphas: list[float],
+    allowances: list[float],
+    growth: Callable[[list[int]], float],
+) -> list[int]:
+    """Draft lengths no longer than `ks` whose pass grows (`growth`) by no more than the smallest of the `allowances`
+    of the rows that draft nothing (k = 0, once trimmed too). The drafted token least likely to be accepted goes
+    first — the last of the `trimmable` row (k=auto) whose α^k is smallest. A row that drafts is not protected: its
+    own acceptance pays for the pass it lengthens. `Engine._fit_slowdown` states the allowances (what drafts may
+    still cost a request, `DEFAULT_MAX_SLOWDOWN`)."""
+    ks = list(ks)
+    while True:
+        budget = min((a for a, k in zip(allowances, ks, strict=True) if k == 0), default=math.inf)
+        cut = [i for i, k in enumerate(ks) if k > 0 and trimmable[i]]
+        if not cut or growth(ks) <= budget:
+            return ks
+        i = min(cut, key=lambda i: min(alphas[i], 1.0) ** ks[i])
+        ks[i] -= 1

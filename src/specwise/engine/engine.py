@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -24,10 +25,13 @@ import torch
 
 from specwise.engine.cache import common_start, output_size
 from specwise.engine.draft_length import (
+    CATCH_UP_FREE,
     AdaptiveK,
     CostModel,
     FixedK,
     draft_floor,
+    draft_growth,
+    fit_slowdown,
     holds_catch_up,
     next_prior,
     plan_batch,
@@ -56,6 +60,7 @@ from specwise.specs import (
     DEFAULT_K_MAX,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_LEN,
+    DEFAULT_MAX_SLOWDOWN,
     DEFAULT_PREFILL_CHUNK,
     K_MAX,
     VERIFY_METHODS,
@@ -130,6 +135,9 @@ class Sequence:
     tenant: str = ""  # whose history that is (the server: the API key a request came with)
     verify: str = VERIFY_METHODS[0]  # how sampled drafts are verified
     draft_floor: float = 0.0  # this step's: a draft model stops below it (`draft_length.draft_floor`)
+    # seconds speculation has saved this request so far: a plain pass for each accepted token, less what drafts (its
+    # own and others') added to the passes it was in (`Engine._settle`, `Engine._fit_slowdown`)
+    balance: float = 0.0
     logprobs: list[TokenLogprob] | None = None
     slot: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
@@ -206,6 +214,8 @@ class Engine:
         self.slot_tokens: dict[int, tuple[str, list[int]]] = {}
         self.reuse_prompts = True  # False: every prompt prefilled whole (benchmarks/prompt_reuse.py compares)
         self.confident_drafts = True  # False: k=auto drafts all k whatever the draft's confidence (a benchmark's A/B)
+        # what other rows' drafts may cost a request that drafts nothing, a share of its time here (inf: no bound)
+        self.max_slowdown = DEFAULT_MAX_SLOWDOWN
         self._ids = itertools.count()
 
     def add_drafter(self, drafter: str | Drafter) -> Drafter:
@@ -510,9 +520,10 @@ class Engine:
         return self.model.forward_features(*args, layers, torch.tensor(feature_rows))
 
     def _pass(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[StreamEvent]:
-        ks = self._plan(seqs) if seqs else []
+        ks = self._plan(seqs, chunks) if seqs else []
         drafts = [Draft([]) for _ in seqs]
         draft_time = [0.0] * len(seqs)
+        drafting = 0.0  # every drafter's seconds this step
         by_drafter: dict[str, list[int]] = {}
         for i, k in enumerate(ks):
             name = seqs[i].drafter
@@ -524,6 +535,7 @@ class Engine:
             for i, d in zip(idx, proposed, strict=True):
                 drafts[i] = Draft(d.tokens[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
             spent = self._now() - td
+            drafting += spent
             one_off = float(getattr(self.drafters[name], "one_off_seconds", 0.0))
             passes = getattr(self.drafters[name], "passes", None)
             # per token asked for, or drafted where a draft stopped short on its confidence (fewer passes ran)
@@ -587,6 +599,7 @@ class Engine:
         t2 = self._now()
         if seqs and not chunks:  # a pass with prompt tokens in it says nothing about verification costs
             self.costs.observe_pass(len(tokens), t2 - t1)
+        self._settle(seqs, drafts, [v.accepted for v in verdicts], chunks, drafting)
         events = []
         firsts_verdicts = [self._verify(seq, Draft([]), logits[at : at + 1]) for seq, at in firsts]
         # Every request's own part from here: a failure in one fails that request only.
@@ -654,18 +667,89 @@ class Engine:
         emitted = [*draft.tokens[: verdict.accepted], verdict.token]
         return verdict, [(t, *top_logprobs(logd[i], t, params.logprobs)) for i, t in enumerate(emitted)]
 
-    def _plan(self, seqs: list[Sequence]) -> list[int]:
+    def _plan(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[int]:
         """Each row's draft length: its controller's choice, then — when every drafting row is adaptive — what pays
-        for the whole pass (`plan_batch`). A step whose only drafts are probes pays for one probe now and then (every
-        8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
+        for the whole pass (`plan_batch`), trimmed to what the rows that draft nothing allow (`_fit_slowdown`). A
+        lone drafting row gets its draft floor. A step whose only drafts are probes pays for one probe now and then
+        (every 8 × rows such steps), so a batch that decayed to plain decoding can still find drafting again."""
+        ks = self._fit_slowdown(seqs, chunks, self._batch_ks(seqs))
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        for s in seqs:
+            s.draft_floor = 0.0
+        if len(drafting) == 1 and self.confident_drafts:  # a lone row: its drafter's passes are its own
+            controller = seqs[drafting[0]].controller
+            if isinstance(controller, AdaptiveK):
+                seqs[drafting[0]].draft_floor = draft_floor(self.costs, controller, ks[drafting[0]])
+        return ks
+
+    def _fit_slowdown(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]], ks: list[int]) -> list[int]:
+        """Trim k=auto drafts (`draft_length.fit_slowdown`) so that what they add to the pass (`draft_growth`: its
+        extra rows, the drafters' calls, their catch-ups) stays within the allowance of every decoding row that
+        drafts nothing: `max_slowdown` × its time in the engine so far, plus what speculation has saved it so far
+        (`Sequence.balance`: a request whose own drafts were accepted has time to spare for others'). Fixed k is
+        drafted as asked. Prompts being read are charged (their balance starts lower) but not protected: on the
+        embedded model at concurrency 4 that protection cost n-gram's k=auto its whole gain (1.04–1.15× → 0.97–1.06×)
+        and spared no request a loss. On the Qwen pair's code workload at concurrency 4 an edit's long drafts beside
+        a question made the question 0.84× plain per request (benchmarks/draft_model_batch.py): its passes ran
+        twice as long while the edit finished early; with the bound 0.99×."""
+        if not any(ks) or math.isinf(self.max_slowdown):
+            return ks
+        now = self._now()
+
+        def allowance(seq: Sequence) -> float:
+            return self.max_slowdown * (now - seq.submitted) + seq.balance
+
+        if len(seqs) < 2:
+            return ks
+        drafters = [s.drafter for s in seqs]
+        catch_ups = [self._catch_up_seconds(s) if k > 0 else 0.0 for s, k in zip(seqs, ks, strict=True)]
+        tokens = len(seqs) + sum(b - a for _, a, b in chunks)
+        return fit_slowdown(
+            ks,
+            [isinstance(s.controller, AdaptiveK) for s in seqs],
+            [s.controller.alpha if isinstance(s.controller, AdaptiveK) else 1.0 for s in seqs],
+            [allowance(s) for s in seqs],
+            lambda trial: draft_growth(self.costs, tokens, trial, drafters, catch_ups),
+        )
+
+    def _catch_up_seconds(self, seq: Sequence) -> float:
+        """What drafting for `seq` now costs first: its drafter's catching up on unseen tokens beyond those it takes
+        in its stride (measured price; 0 before it has caught up once, or for a drafter without a cache)."""
+        if seq.drafter is None:
+            return 0.0
+        lag = getattr(self.drafters[seq.drafter], "lag", None)
+        unseen = lag(seq) if lag is not None else 0
+        return 0.0 if unseen <= CATCH_UP_FREE else self.costs.catch_up_cost(unseen, seq.drafter) or 0.0
+
+    def _settle(
+        self,
+        seqs: list[Sequence],
+        drafts: list[Draft],
+        accepted: list[int],
+        chunks: list[tuple[Sequence, int, int]],
+        drafting: float,
+    ) -> None:
+        """Each request's `balance` after this pass: what the drafts added to it (the drafters' measured `drafting`
+        seconds and the pass's extra rows, priced) is charged to every request in it, drafting or not, and each
+        accepted token is credited a plain pass of the decoding rows (the pass it saves)."""
+        drafted = sum(len(d.tokens) for d in drafts)
+        if drafted == 0 and drafting == 0:
+            return
+        tokens = len(seqs) + sum(b - a for _, a, b in chunks)
+        grow = drafting + (self.costs.pass_cost(tokens + drafted) or 0.0) - (self.costs.pass_cost(tokens) or 0.0)
+        plain = self.costs.pass_cost(len(seqs)) or 0.0
+        for seq, n in zip(seqs, accepted, strict=True):
+            seq.balance += n * plain - grow
+        for seq, _, _ in chunks:
+            seq.balance -= grow
+
+    def _batch_ks(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's own k (its controller's, catch-ups held), then what pays for the whole pass (`plan_batch`)
+        when every drafting row is adaptive."""
         ks = [self._draft_len(s) for s in seqs]
         self._hold_catch_ups(seqs, ks)
         drafting = [i for i, k in enumerate(ks) if k > 0]
         adaptive = [c for i in drafting if isinstance(c := seqs[i].controller, AdaptiveK)]
-        for s in seqs:
-            s.draft_floor = 0.0
-        if len(drafting) == 1 and adaptive and self.confident_drafts:  # a lone row: its drafter's passes are its own
-            seqs[drafting[0]].draft_floor = draft_floor(self.costs, adaptive[0], ks[drafting[0]])
         if len(seqs) < 2 or not drafting or len(adaptive) != len(drafting):
             return ks
         planned = plan_batch(
