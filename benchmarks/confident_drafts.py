@@ -6,8 +6,11 @@ Traffics: --chats chat-like prompts (benchmarks/prompts.chat_like, 96 tokens eac
 workload's questions and edits. Prints per traffic and engine the summed decode time, the speedup over plain (sums,
 and the median of per-request ratios), and the steps, drafted and accepted tokens.
 
+With --undiscounted a fourth engine uses the floor without α's discount (the kept floor × α), the change the
+2026-12-07 run pointed at.
+
     python benchmarks/confident_drafts.py [--model qwen2.5-coder-1.5b] [--drafter model:qwen2.5-coder-0.5b]
-                                          [--traffics chat,question,edit] [--chats 24] [--rounds 2]
+                                          [--traffics chat,question,edit] [--chats 24] [--rounds 2] [--undiscounted]
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from prompts import chat, chat_like
 
+import specwise.engine.engine as engine_module
 from specwise.engine import Engine, SamplingParams, load_target
+from specwise.engine.draft_length import AdaptiveK, CostModel
 from specwise.harness.workload import builtin_workload
 from specwise.speccounts import SpecCounts
 
@@ -32,12 +37,21 @@ def main() -> int:
     ap.add_argument("--traffics", default="chat,question,edit")
     ap.add_argument("--chats", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--undiscounted", action="store_true", help="a fourth engine: the floor × α (no α discount)")
     args = ap.parse_args()
     target = load_target(args.model)
     engines = {"plain": Engine(target, max_batch=1)}
-    for name, confident in (("all k", False), ("draft floor", True)):
+    arms = (("all k", False), ("draft floor", True)) + ((("floor × α", True),) if args.undiscounted else ())
+    for name, confident in arms:
         engines[name] = Engine(target, drafter=args.drafter, k="auto", max_batch=1)
         engines[name].confident_drafts = confident
+    kept_floor = engine_module.draft_floor
+
+    def undiscounted(costs: CostModel, controller: AdaptiveK, k: int) -> float:
+        """The floor without α's discount: a drafted token pays where the draft's probability alone exceeds its cost
+        times the step's rate (the kept floor × α)."""
+        return kept_floor(costs, controller, k) * controller.alpha
+
     tasks = builtin_workload("code").tasks
     print(f"{target.identity.name}, {args.drafter} at k=auto, concurrency 1, greedy, requests interleaved")
     for traffic in args.traffics.split(","):
@@ -50,6 +64,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for prompt, max_tokens in requests:
                 for name, engine in engines.items():
+                    engine_module.draft_floor = undiscounted if name == "floor × α" else kept_floor
                     result = engine.generate(prompt, SamplingParams(max_new_tokens=max_tokens))[0]
                     decode[name].append(result.stats.decode_time)
                     counts[name].add(result.stats.counts())
@@ -62,8 +77,8 @@ def main() -> int:
                 f"  {name:12s} decode {sum(decode[name]):7.2f} s, speedup {sum(base) / sum(decode[name]):.3f}x "
                 f"(per-request median {ratio:.3f}x), steps {c.steps}, drafted {c.drafted}, accepted {c.accepted}"
             )
-        gain = sum(decode["all k"]) / sum(decode["draft floor"])
-        print(f"  the draft floor against all k: {gain:.3f}x")
+        for name in list(engines)[2:]:
+            print(f"  {name} against all k: {sum(decode['all k']) / sum(decode[name]):.3f}x")
     return 0
 
 
