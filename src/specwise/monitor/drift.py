@@ -319,9 +319,18 @@ def background_lines(samples: list[tuple[float, dict]], base: Baseline, threshol
         busy = [b for b in figures if b.busy(threshold)]
         worst = max(figures, key=lambda b: b.share)
         mean = sum(b.share for b in figures) / len(figures)
+        named = worst.text()
+        if "busiest: " not in named:  # the worst sample caught only short-lived processes: name the busy samples'
+            most: dict[str, float] = {}
+            for b in busy:
+                for cmd, cores in b.top:
+                    most[cmd] = max(most.get(cmd, 0.0), cores)
+            top = sorted(((c, n) for c, n in most.items() if n >= 0.01), key=lambda x: -x[1])[:3]
+            if top:
+                named += "; busiest: " + ", ".join(f"{c} {n:.2f}" for c, n in top) + " (in the busy samples)"
         lines.append(
             f"background in the window: busy in {len(busy)} of {len(figures)} samples (above {threshold:.0%} of the "
-            f"cores), mean {mean:.0%}; worst: {worst.text()}"
+            f"cores), mean {mean:.0%}; worst: {named}"
             if busy
             else f"background in the window: quiet (at most {worst.share:.0%} of the cores over {len(figures)} samples)"
         )
