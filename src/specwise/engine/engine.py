@@ -692,18 +692,16 @@ class Engine:
         and spared no request a loss. On the Qwen pair's code workload at concurrency 4 an edit's long drafts beside
         a question made the question 0.84× plain per request (benchmarks/draft_model_batch.py): its passes ran
         twice as long while the edit finished early; with the bound 0.99×."""
-        if not any(ks) or math.isinf(self.max_slowdown):
+        if len(seqs) < 2 or not any(ks) or math.isinf(self.max_slowdown):
             return ks
         now = self._now()
 
         def allowance(seq: Sequence) -> float:
             return self.max_slowdown * (now - seq.submitted) + seq.balance
 
-        if len(seqs) < 2:
-            return ks
         drafters = [s.drafter for s in seqs]
         catch_ups = [self._catch_up_seconds(s) if k > 0 else 0.0 for s, k in zip(seqs, ks, strict=True)]
-        tokens = len(seqs) + sum(b - a for _, a, b in chunks)
+        tokens = pass_tokens(seqs, chunks)
         return fit_slowdown(
             ks,
             [isinstance(s.controller, AdaptiveK) for s in seqs],
@@ -735,7 +733,7 @@ class Engine:
         drafted = sum(len(d.tokens) for d in drafts)
         if drafted == 0 and drafting == 0:
             return
-        tokens = len(seqs) + sum(b - a for _, a, b in chunks)
+        tokens = pass_tokens(seqs, chunks)
         grow = drafting + (self.costs.pass_cost(tokens + drafted) or 0.0) - (self.costs.pass_cost(tokens) or 0.0)
         plain = self.costs.pass_cost(len(seqs)) or 0.0
         for seq, n in zip(seqs, accepted, strict=True):
@@ -928,6 +926,11 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def pass_tokens(seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> int:
+    """Tokens of a pass before drafts: each decoding row's pending token and the prompt chunks."""
+    return len(seqs) + sum(b - a for _, a, b in chunks)
 
 
 def check_invariant(target: LoadedModel) -> None:
